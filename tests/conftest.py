@@ -1,0 +1,69 @@
+"""Shared test helpers: load each training script as a module (so the tests call the very code
+that trains), run it as a subprocess, and read back its TensorBoard scalars."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ["ppg_procgen.py"]
+
+# The smallest runs that still exercise every phase: 3 rollouts in 2 phases, so one auxiliary
+# phase runs (and none after the last rollout). dodgeball ends random episodes within ~10 steps,
+# so finished episodes are logged even in a run this short.
+TINY_FLAGS = {
+    "ppg_procgen.py": ["--env-id", "dodgeball", "--num-envs", "2", "--num-steps", "32", "--n-pi", "2",
+                       "--total-timesteps", "192", "--num-minibatches", "2", "--aux-mb-trajectories", "2",
+                       "--e-aux", "2", "--micro-batch-size", "8"],
+}
+
+_modules = {}
+
+
+def load_script(name: str):
+    """Import a training script by file name (once per test session)."""
+    if name not in _modules:
+        spec = importlib.util.spec_from_file_location(pathlib.Path(name).stem, ROOT / name)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _modules[name] = module
+    return _modules[name]
+
+
+@pytest.fixture(params=SCRIPTS)
+def script(request):
+    return load_script(request.param)
+
+
+def run_script(name: str, *flags: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(ROOT / name), *flags], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_scalars(run_dir) -> dict:
+    """{tag: [values]} of the one run under run_dir/runs/."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (logdir,) = list(pathlib.Path(run_dir, "runs").iterdir())
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def random_obs(module, n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, *module.OBS_SHAPE), dtype=torch.uint8)
+
+
+def random_batch(module, n: int, num_actions: int) -> dict:
+    """A rollout-shaped batch as main() hands it to policy_phase_update."""
+    g = torch.Generator().manual_seed(0)
+    return dict(obs=torch.randint(0, 256, (n, *module.OBS_SHAPE), dtype=torch.uint8, generator=g),
+                actions=torch.randint(0, num_actions, (n,), generator=g),
+                logprobs=torch.full((n,), -float(torch.log(torch.tensor(float(num_actions))))),
+                advantages=torch.randn(n, generator=g), returns=torch.randn(n, generator=g))

@@ -1,0 +1,83 @@
+"""Tiny runs of each script as a user runs it, and the one-line errors for bad input."""
+
+import math
+
+import pytest
+
+from conftest import SCRIPTS, TINY_FLAGS, load_script, read_scalars, run_script
+
+EXPECTED_TAGS = [
+    "charts/episodic_return", "charts/episodic_length", "charts/SPS", "losses/policy_loss", "losses/value_loss",
+    "losses/entropy", "losses/approx_kl", "losses/clipfrac", "losses/explained_variance",
+    "aux/aux_value_loss", "aux/clone_kl", "aux/joint_loss", "aux/value_loss",
+    "timing/rollout_s", "timing/policy_update_s", "timing/snapshot_s", "timing/aux_epochs_s",
+]
+EXTRA_FLAGS = {  # each arch's run also exercises one optional feature
+    "dual": ["--num-levels", "10", "--num-eval-envs", "2"],
+    "detach": ["--capture-video"],
+    "shared": ["--save-model", "--max-grad-norm", "0.5"],
+}
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_tiny_run(name, arch, tmp_path):
+    flags = TINY_FLAGS[name] + ["--arch", arch] + EXTRA_FLAGS[arch]
+    if arch == "dual" and name != "ppg_procgen.py":
+        flags = TINY_FLAGS[name] + ["--arch", arch]  # unseen-level evaluation is Procgen's alone
+    proc = run_script(name, *flags, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "3 rollouts" in proc.stdout and "1 auxiliary phases" in proc.stdout
+    scalars = read_scalars(tmp_path)
+    missing = [t for t in EXPECTED_TAGS if t not in scalars]
+    assert not missing, missing
+    for tag, values in scalars.items():
+        if tag.startswith(("losses/", "aux/")):
+            assert all(math.isfinite(v) for v in values), (tag, values)
+    # 2 phases: the first ends with an auxiliary phase, the last (after the last rollout) does not
+    assert len(scalars["timing/aux_epochs_s"]) == 2
+    assert scalars["timing/aux_epochs_s"][0] > 0 and scalars["timing/aux_epochs_s"][1] == 0
+    assert 1 <= len(scalars["aux/clone_kl"]) <= 2
+    assert scalars["aux/clone_kl"][0] >= 0
+    if arch == "dual" and name == "ppg_procgen.py":
+        assert len(scalars["eval/episodic_return"]) == 2  # once per phase
+    if arch == "detach":
+        assert list(tmp_path.glob("videos/*/episode-0.mp4"))
+    if arch == "shared":
+        assert list(tmp_path.glob("runs/*/*.pt"))
+
+
+BAD_FLAGS = {
+    "ppg_procgen.py": [
+        (["--env-id", "pong"], "--env-id"),
+        (["--num-minibatches", "7"], "--num-minibatches"),
+        (["--n-pi", "0"], "--n-pi"),
+        (["--beta-clone", "-1"], "--beta-clone"),
+        (["--arch", "triple"], "--arch"),
+        (["--num-steps", "100000"], "GiB"),  # 64 x 100k frames (78 GB) cannot fit: the memory preflight
+    ],
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_bad_input_gives_one_line(name, tmp_path):
+    for flags, needle in BAD_FLAGS[name]:
+        proc = run_script(name, *flags, cwd=tmp_path, timeout=60)
+        assert proc.returncode != 0, flags
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and needle in errors[0], (flags, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "runs").exists()  # it stopped before any env, buffer or log existed
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_invalid_combinations_are_rejected_in_process(name):
+    module = load_script(name)
+    cases = [dict(num_envs=0), dict(num_steps=-1), dict(e_pi=0), dict(e_v=0), dict(e_aux=-1),
+             dict(learning_rate=0.0), dict(gamma=1.5), dict(aux_kl_stop=-0.1), dict(micro_batch_size=-2),
+             dict(num_envs=4, n_pi=1, aux_mb_trajectories=3, total_timesteps=10**6)]
+    for overrides in cases:
+        with pytest.raises(module.ArgError):
+            module.make_plan(module.Args(**overrides))
+    module.make_plan(module.Args())  # the defaults are valid

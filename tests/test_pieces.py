@@ -1,0 +1,223 @@
+"""Unit tests of the pieces each script trains with: losses, GAE, init, reward normaliser,
+chunked gradients, gradient isolation between the phases, the pi_old snapshot, the KL guard."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_batch, random_obs
+
+A = 6  # actions of the test agents
+
+
+def small_args(module, **overrides):
+    base = dict(num_envs=2, num_steps=8, num_minibatches=2, n_pi=2, aux_mb_trajectories=2, e_aux=2,
+                micro_batch_size=0, total_timesteps=10_000)
+    base.update(overrides)
+    return module.Args(**base)
+
+
+def make_agent(module, arch, seed=0):
+    torch.manual_seed(seed)
+    return module.PPGAgent(arch, module.OBS_SHAPE, A)
+
+
+def test_seed_worked_example(script):
+    """ppg-seed.txt: logits [1,0] -> [1.1,-0.1], V_aux 2.50 vs target 3.50."""
+    old = torch.tensor([[1.0, 0.0]])
+    new = torch.tensor([[1.1, -0.1]])
+    joint, l_aux, l_clone = script.aux_joint_loss(torch.tensor([2.5]), torch.tensor([3.5]), old, new, beta_clone=1.0)
+    assert round(float(l_aux), 4) == 0.5000
+    assert round(float(l_clone), 4) == 0.0038
+    assert round(float(joint), 4) == 0.5038
+    # KL(old || new), not KL(new || old): the two differ in the 5th decimal here
+    assert float(l_clone) == pytest.approx(0.7311 * math.log(0.7311 / 0.7685) + 0.2689 * math.log(0.2689 / 0.2315), abs=2e-4)
+    reverse = script.clone_kl(new, old)
+    assert abs(float(reverse) - float(l_clone)) > 1e-5
+
+
+def test_gae_with_episode_boundary(script):
+    rewards = torch.tensor([[1.0, 2.0, 3.0]])
+    values = torch.tensor([[0.5, 1.0, 1.5]])
+    ended = torch.tensor([[False, True, False]])  # step 1 ended its episode: no bootstrap, no carry
+    adv, ret = script.compute_gae(rewards, values, ended, torch.tensor([2.0]), gamma=0.9, lam=0.8)
+    # t=2: 3 + 0.9*2.0 - 1.5 = 3.3;  t=1: 2 - 1.0 = 1.0;  t=0: 1 + 0.9*1.0 - 0.5 + 0.9*0.8*1.0 = 2.12
+    assert torch.allclose(adv, torch.tensor([[2.12, 1.0, 3.3]]))
+    assert torch.allclose(ret, torch.tensor([[2.62, 2.0, 4.8]]))
+
+
+def test_ppo_clipped_loss(script):
+    logits = torch.zeros(2, 2)  # pi(a=0) = 0.5 in both states
+    actions = torch.tensor([0, 0])
+    old_logprobs = torch.log(torch.tensor([0.5 / 1.5, 0.5 / 0.5]))  # ratios 1.5 and 0.5
+    advantages = torch.tensor([1.0, -1.0])
+    loss, entropy, approx_kl, clipfrac = script.ppo_policy_loss(logits, actions, old_logprobs, advantages, 0.2)
+    # state 0: min(1.5, 1.2) * 1 = 1.2 -> -1.2;  state 1: max(0.5, 0.8) * 1 -> 0.8
+    assert float(loss) == pytest.approx((-1.2 + 0.8) / 2)
+    assert float(entropy) == pytest.approx(math.log(2))
+    assert float(clipfrac) == 1.0
+    k3 = ((1.5 - 1) - math.log(1.5) + (0.5 - 1) - math.log(0.5)) / 2
+    assert float(approx_kl) == pytest.approx(k3)
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_normed_init_norms(script, arch):
+    agent = make_agent(script, arch)
+
+    def row_norms(layer):
+        return layer.weight.detach().flatten(1).norm(dim=1)
+
+    convs = [m for m in agent.pi_trunk.modules() if isinstance(m, torch.nn.Conv2d)]
+    residual = {id(c) for block in agent.pi_trunk.modules() if isinstance(block, script.ResidualBlock)
+                for c in block.modules() if isinstance(c, torch.nn.Conv2d)}
+    assert len(convs) == 15 and len(residual) == 12  # 3 stacks x (1 conv + 2 blocks x 2 convs)
+    res_scale = math.sqrt(1 / math.sqrt(3) / math.sqrt(2))
+    for layer in convs:
+        expected = res_scale if id(layer) in residual else 1.0
+        assert torch.allclose(row_norms(layer), torch.full((layer.out_channels,), expected), atol=1e-5), layer
+        assert torch.count_nonzero(layer.bias) == 0
+    dense = [m for m in agent.pi_trunk.modules() if isinstance(m, torch.nn.Linear)]
+    for layer in dense:
+        assert torch.allclose(row_norms(layer), torch.tensor(1.4), atol=1e-5)
+    for head in [agent.pi_head, agent.aux_value_head, agent.value_head]:
+        assert torch.allclose(row_norms(head), torch.tensor(0.1), atol=1e-6)
+        assert torch.count_nonzero(head.bias) == 0
+
+
+def test_reward_normalizer(script):
+    rng = np.random.default_rng(0)
+    norm = script.RewardNormalizer(num_envs=3, gamma=0.9)
+    ret, seen, out = np.zeros(3), [], None
+    for t in range(500):
+        r = rng.normal(1.0, 2.0, size=3).astype(np.float32)
+        d = rng.random(3) < 0.05
+        out = norm(r, d)
+        ret = ret * 0.9 + r
+        seen.append(ret.copy())
+        ret[d] = 0.0
+    # its variance is the variance of every discounted return seen (no mean subtraction of rewards)
+    assert norm.var == pytest.approx(np.var(np.concatenate(seen)), rel=1e-3)
+    assert np.allclose(out, np.clip(r / np.sqrt(norm.var + 1e-8), -10, 10), atol=1e-6)
+    assert out.dtype == np.float32
+    huge = norm(np.full(3, 1e6, dtype=np.float32), np.zeros(3, dtype=bool))
+    assert np.all(huge == 10.0)
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
+def test_chunked_gradients_equal_whole_minibatch(script, arch):
+    """--micro-batch-size changes peak memory, not the update: both phases move every parameter
+    by the same amount with chunks of 3 states as with whole minibatches."""
+    results = []
+    for micro in (0, 3):
+        agent = make_agent(script, arch)
+        start = [p.detach().clone() for p in agent.parameters()]
+        args = small_args(script, micro_batch_size=micro)
+        pol_opt = torch.optim.SGD(agent.parameters(), lr=1e-3)
+        aux_opt = torch.optim.SGD(agent.parameters(), lr=1e-3)
+        torch.manual_seed(123)
+        stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args, script.make_plan(args))
+        obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
+        aux = script.auxiliary_phase(agent, aux_opt, obs_buf, torch.randn(4, 8), args)
+        results.append(([p.detach() - s for p, s in zip(agent.parameters(), start)], stats, aux["epochs"]))
+    (d0, s0, e0), (d1, s1, e1) = results
+    assert all(bool(torch.count_nonzero(d)) for d in d0)  # every parameter was trained
+    for a, b in zip(d0, d1):
+        assert torch.allclose(a, b, rtol=1e-3, atol=5e-8)  # float32 rounding of p + lr*g, not of g
+    assert s0 == pytest.approx(s1, rel=1e-4, abs=1e-7)
+    for a, b in zip(e0, e1):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-7)
+
+
+def _grad_status(params):
+    return [p.grad is not None and bool(torch.count_nonzero(p.grad)) for p in params]
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
+def test_policy_phase_aux_head_gets_no_gradient(script, arch):
+    agent = make_agent(script, arch)
+    args = small_args(script)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    before = [p.clone() for p in agent.aux_value_head.parameters()]
+    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
+    assert not any(_grad_status(agent.aux_value_head.parameters()))
+    assert all(torch.equal(b, p) for b, p in zip(before, agent.aux_value_head.parameters()))
+    assert all(_grad_status(agent.pi_head.parameters()))  # while the policy did train
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_policy_phase_value_loss_never_reaches_policy_trunk(script, arch):
+    """E_V = 2 > E_pi = 1: the second epoch's minibatches carry only the value loss; the gradient
+    left by the last of them must sit on the value network alone."""
+    agent = make_agent(script, arch)
+    args = small_args(script, e_pi=1, e_v=2)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
+    assert not any(_grad_status(agent.policy_parameters()))
+    assert all(_grad_status(agent.value_head.parameters()))
+    # and the PPO loss alone touches no value parameter (E_pi = 2 > E_V = 1)
+    agent = make_agent(script, arch)
+    args = small_args(script, e_pi=2, e_v=1)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
+    assert not any(_grad_status(agent.value_parameters()))
+    assert all(_grad_status(agent.pi_head.parameters()))
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach"])
+def test_aux_phase_each_loss_touches_only_its_network(script, arch):
+    agent = make_agent(script, arch)
+    obs = random_obs(script, 6)
+    targets = torch.randn(6)
+    old = torch.randn(6, A)
+    logits, values, aux_values = agent(obs)
+    joint, _, _ = script.aux_joint_loss(aux_values, targets, old, logits, beta_clone=1.0)
+    l_value = script.value_loss(values, targets)
+    pi_params, v_params = agent.policy_parameters(), agent.value_parameters()
+    g_joint = torch.autograd.grad(joint, pi_params + v_params, retain_graph=True, allow_unused=True)
+    g_value = torch.autograd.grad(l_value, pi_params + v_params, allow_unused=True)
+    n_pi = len(pi_params)
+    assert all(g is not None for g in g_joint[:n_pi]) and all(g is None for g in g_joint[n_pi:])
+    assert all(g is None for g in g_value[:n_pi]) and all(g is not None for g in g_value[n_pi:])
+
+
+@pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
+def test_snapshot_is_the_current_policy(script, arch):
+    """pi_old is taken at the start of the aux phase, so with a frozen network (lr 0) the clone KL
+    of every minibatch, the first included, is zero."""
+    agent = make_agent(script, arch)
+    args = small_args(script, e_aux=1)
+    obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
+    opt = torch.optim.SGD(agent.parameters(), lr=0.0)
+    aux = script.auxiliary_phase(agent, opt, obs_buf, torch.randn(4, 8), args)
+    assert aux["epochs"][0]["clone_kl"] == pytest.approx(0.0, abs=1e-6)
+    old = script.snapshot_policy(agent, obs_buf, chunk=5)
+    assert old.shape == (4, 8, A)
+    assert torch.allclose(old.exp().sum(-1), torch.ones(4, 8), atol=1e-5)
+
+
+def test_kl_guard_stops_aux_phase(script):
+    agent = make_agent(script, "dual")
+    obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
+    targets = torch.randn(4, 8) * 5
+    guarded = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets,
+                                     small_args(script, e_aux=3, aux_kl_stop=1e-9))
+    assert guarded["stopped_early"] and len(guarded["epochs"]) == 1
+    assert guarded["epochs"][0]["clone_kl"] > 1e-9
+    agent = make_agent(script, "dual")
+    unguarded = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets,
+                                       small_args(script, e_aux=3, aux_kl_stop=0.0))
+    assert not unguarded["stopped_early"] and len(unguarded["epochs"]) == 3
+
+
+def test_plan_counts_and_rounding(script):
+    args = small_args(script, num_envs=4, num_steps=8, n_pi=3, total_timesteps=300)  # 32-step rollouts
+    plan = script.make_plan(args)
+    assert plan.num_iterations == 10 and plan.total_env_steps == 320  # rounded up, never down
+    assert plan.num_phases == 4  # 3 + 3 + 3 + 1
+    assert plan.num_aux_phases == 3  # none after the 10th (last) rollout
+    assert plan.aux_slots == 3 and plan.aux_minibatches == 3 * 4 // 2
+    no_aux = script.make_plan(small_args(script, e_aux=0))
+    assert no_aux.num_aux_phases == 0 and no_aux.aux_slots == 1
