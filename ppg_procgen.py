@@ -155,20 +155,16 @@ class Plan:
 
 def make_plan(args: Args) -> Plan:
     """Check every flag and derive the run's counts. Raises ArgError with a one-line message."""
-    if args.env_id not in PROCGEN_GAMES:
-        raise ArgError(f"--env-id {args.env_id!r} is not a Procgen game; use one of: {', '.join(PROCGEN_GAMES)}")
-    if args.distribution_mode not in NORMALISATION:
-        raise ArgError(f"--distribution-mode {args.distribution_mode!r} is unknown; use easy or hard")
+    check_env_args(args)
     if args.arch not in ("dual", "detach", "shared"):
         raise ArgError(f"--arch {args.arch!r} is unknown; use dual, detach or shared")
     for flag, value in [("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
                         ("--num-minibatches", args.num_minibatches), ("--n-pi", args.n_pi),
                         ("--e-pi", args.e_pi), ("--e-v", args.e_v), ("--total-timesteps", args.total_timesteps),
-                        ("--aux-mb-trajectories", args.aux_mb_trajectories), ("--num-eval-envs", args.num_eval_envs)]:
+                        ("--aux-mb-trajectories", args.aux_mb_trajectories)]:
         if value < 1:
             raise ArgError(f"{flag} must be at least 1 (got {value})")
-    for flag, value in [("--e-aux", args.e_aux), ("--num-levels", args.num_levels), ("--start-level", args.start_level),
-                        ("--micro-batch-size", args.micro_batch_size), ("--beta-clone", args.beta_clone),
+    for flag, value in [("--e-aux", args.e_aux), ("--micro-batch-size", args.micro_batch_size), ("--beta-clone", args.beta_clone),
                         ("--ent-coef", args.ent_coef), ("--aux-kl-stop", args.aux_kl_stop),
                         ("--max-grad-norm", args.max_grad_norm)]:
         if value < 0:
@@ -244,6 +240,18 @@ def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int
 # ======================================================================================
 # 3. Environment
 # ======================================================================================
+def check_env_args(args: Args) -> None:
+    if args.env_id not in PROCGEN_GAMES:
+        raise ArgError(f"--env-id {args.env_id!r} is not a Procgen game; use one of: {', '.join(PROCGEN_GAMES)}")
+    if args.distribution_mode not in NORMALISATION:
+        raise ArgError(f"--distribution-mode {args.distribution_mode!r} is unknown; use easy or hard")
+    for flag, value in [("--num-levels", args.num_levels), ("--start-level", args.start_level)]:
+        if value < 0:
+            raise ArgError(f"{flag} must be >= 0 (got {value})")
+    if args.num_eval_envs < 1:
+        raise ArgError(f"--num-eval-envs must be at least 1 (got {args.num_eval_envs})")
+
+
 class ProcgenVecEnv:
     """Procgen's vector env with a plain interface: uint8 HWC frames, raw rewards, done flags,
     and the (env, return, length) of every episode that finished. Procgen resets an env inside
@@ -337,6 +345,7 @@ class ImpalaEncoder(nn.Module):
             c, h, w = out, (h + 1) // 2, (w + 1) // 2
         self.convs = nn.Sequential(*layers)
         self.dense = normed_init_(nn.Linear(c * h * w, out_features), 1.4)
+        self.out_features = out_features
 
     def forward(self, obs_uint8: torch.Tensor) -> torch.Tensor:
         # The one place frames become floats: a (B, H, W, C) uint8 batch, never a float buffer.
@@ -344,6 +353,15 @@ class ImpalaEncoder(nn.Module):
         x = obs_uint8.permute(0, 3, 1, 2).float().div_(255.0)
         x = self.convs(x)
         return F.relu(self.dense(F.relu(x.flatten(1))))
+
+
+def make_trunk(obs_shape: Tuple[int, ...]) -> nn.Module:
+    return ImpalaEncoder(obs_shape)
+
+
+def init_head_(layer: nn.Linear, role: str) -> nn.Linear:
+    """Policy and value heads alike: normed, scale 0.1 (the released code)."""
+    return normed_init_(layer, 0.1)
 
 
 class PPGAgent(nn.Module):
@@ -355,11 +373,12 @@ class PPGAgent(nn.Module):
     def __init__(self, arch: str, obs_shape: Tuple[int, ...], num_actions: int):
         super().__init__()
         self.arch = arch
-        self.pi_trunk = ImpalaEncoder(obs_shape)
-        self.pi_head = normed_init_(nn.Linear(256, num_actions), 0.1)
-        self.aux_value_head = normed_init_(nn.Linear(256, 1), 0.1)
-        self.v_trunk = ImpalaEncoder(obs_shape) if arch == "dual" else None
-        self.value_head = normed_init_(nn.Linear(256, 1), 0.1)
+        self.pi_trunk = make_trunk(obs_shape)
+        width = self.pi_trunk.out_features
+        self.pi_head = init_head_(nn.Linear(width, num_actions), "policy")
+        self.aux_value_head = init_head_(nn.Linear(width, 1), "value")
+        self.v_trunk = make_trunk(obs_shape) if arch == "dual" else None
+        self.value_head = init_head_(nn.Linear(width, 1), "value")
 
     def forward(self, obs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (policy logits, true value V, auxiliary value V_aux)."""

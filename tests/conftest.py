@@ -11,15 +11,16 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPTS = ["ppg_procgen.py"]
+SCRIPTS = ["ppg_procgen.py", "ppg_atari.py"]
 
 # The smallest runs that still exercise every phase: 3 rollouts in 2 phases, so one auxiliary
-# phase runs (and none after the last rollout). dodgeball ends random episodes within ~10 steps,
-# so finished episodes are logged even in a run this short.
+# phase runs (and none after the last rollout). Finished episodes must be logged even in a run
+# this short: dodgeball ends random episodes within ~10 steps; Atari games are cut after 100 frames.
+_TINY = ["--num-envs", "2", "--num-steps", "32", "--n-pi", "2", "--total-timesteps", "192", "--num-minibatches", "2",
+         "--aux-mb-trajectories", "2", "--e-aux", "2", "--micro-batch-size", "8"]
 TINY_FLAGS = {
-    "ppg_procgen.py": ["--env-id", "dodgeball", "--num-envs", "2", "--num-steps", "32", "--n-pi", "2",
-                       "--total-timesteps", "192", "--num-minibatches", "2", "--aux-mb-trajectories", "2",
-                       "--e-aux", "2", "--micro-batch-size", "8"],
+    "ppg_procgen.py": ["--env-id", "dodgeball", *_TINY],
+    "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],
 }
 
 _modules = {}

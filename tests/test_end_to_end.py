@@ -57,6 +57,14 @@ BAD_FLAGS = {
         (["--arch", "triple"], "--arch"),
         (["--num-steps", "100000"], "GiB"),  # 64 x 100k frames (78 GB) cannot fit: the memory preflight
     ],
+    "ppg_atari.py": [
+        (["--env-id", "BrakeoutNoFrameskip-v4"], "did you mean BreakoutNoFrameskip-v4"),
+        (["--env-id", "ALE/Foo-v5"], "--env-id"),
+        (["--num-minibatches", "3"], "--num-minibatches"),
+        (["--e-v", "0"], "--e-v"),
+        (["--repeat-action-probability", "1.5"], "--repeat-action-probability"),
+        (["--num-steps", "1000000"], "GiB"),  # 8 x 1M stacked frames (226 GB): the memory preflight
+    ],
 }
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_batch, random_obs
+from conftest import load_script, random_batch, random_obs
 
 A = 6  # actions of the test agents
 
@@ -64,7 +64,9 @@ def test_ppo_clipped_loss(script):
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach"])
-def test_normed_init_norms(script, arch):
+def test_normed_init_norms(arch):
+    """Procgen's IMPALA trunk (ppg_atari.py's orthogonal init is tested in test_atari.py)."""
+    script = load_script("ppg_procgen.py")
     agent = make_agent(script, arch)
 
     def row_norms(layer):

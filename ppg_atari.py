@@ -1,0 +1,761 @@
+"""Phasic Policy Gradient (Cobbe, Hilton, Klimov, Schulman 2020, arXiv 2009.04416) on Atari.
+
+One file, read top to bottom:
+  1. Args: every flag, with the paper's symbols (N_pi, E_pi, E_V, E_aux, beta_clone).
+  2. Plan: checks the flags and derives every count once, before any env or buffer exists.
+  3. Environment: ale-py's native vector env; life loss and clipped rewards for training only,
+     while every finished game's raw score (all lives) is what gets logged.
+  4. Networks: Nature CNN, orthogonal init, and the three architectures (dual, detach, shared).
+  5. Small pieces: reward normaliser, GAE, the losses, chunked gradients, the pi_old snapshot.
+  6. The two phases: policy_phase_update (E_pi, E_V epochs) and auxiliary_phase (E_aux epochs).
+  7. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
+"""
+
+import math
+import os
+import random
+import resource
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+
+# ======================================================================================
+# 1. Arguments
+# ======================================================================================
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the first part of the run name)"""
+    seed: int = 1
+    """seed of python, numpy and torch, and of the environment's level sequence"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)"""
+    track: bool = False
+    """if toggled, also log to Weights and Biases (needs `pip install wandb`)"""
+    wandb_project_name: str = "ppg"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of the wandb project"""
+    capture_video: bool = False
+    """if toggled, save videos of env 0's games 0, 1, 8, 27, 64, ... to `videos/{run_name}`"""
+    save_model: bool = False
+    """if toggled, save the networks' weights to `runs/{run_name}/{exp_name}.pt` at the end"""
+
+    # Environment
+    env_id: str = "BreakoutNoFrameskip-v4"
+    """the Atari game: `BreakoutNoFrameskip-v4` style or `ALE/Breakout-v5` style"""
+    repeat_action_probability: Optional[float] = None
+    """sticky actions; None follows the env id: 0.0 for *NoFrameskip-v4, 0.25 for ALE/*-v5"""
+    episodic_life: bool = True
+    """if toggled, a lost life ends the episode for training (GAE); logged returns are whole games"""
+    clip_rewards: bool = True
+    """if toggled, train on sign(reward) in {-1, 0, 1}; logged returns are raw game scores"""
+    max_episode_frames: int = 108_000
+    """a game is cut after this many emulator frames (108,000 = 30 minutes of play, Machado et al.)"""
+
+    # Policy phase (PPO)
+    total_timesteps: int = 10_000_000
+    """total env steps to train for (rounded UP to whole rollouts; the exact count is printed)"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate of both phases (constant, as in the paper)"""
+    num_envs: int = 8
+    """number of parallel envs"""
+    num_steps: int = 128
+    """steps per env in each rollout"""
+    gamma: float = 0.99
+    """discount factor of GAE and the value targets"""
+    gae_lambda: float = 0.95
+    """lambda of generalised advantage estimation"""
+    reward_norm_gamma: float = 0.99
+    """discount of the return whose running std scales the rewards (0.99 in the released code)"""
+    num_minibatches: int = 4
+    """PPO minibatches per epoch in the policy phase"""
+    clip_coef: float = 0.1
+    """PPO clipping coefficient"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient"""
+    max_grad_norm: float = 0.0
+    """clip the global gradient norm of every update to this (0 = no clipping, as in the paper)"""
+
+    # Phasic Policy Gradient
+    arch: str = "dual"
+    """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached
+    features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
+    n_pi: int = 32
+    """N_pi: policy-phase iterations (rollouts) per phase"""
+    e_pi: int = 1
+    """E_pi: epochs of the PPO policy loss on each rollout"""
+    e_v: int = 1
+    """E_V: epochs of the value loss on each rollout"""
+    e_aux: int = 6
+    """E_aux: auxiliary epochs per phase (0 disables the auxiliary phase)"""
+    beta_clone: float = 1.0
+    """beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss"""
+    aux_mb_trajectories: int = 4
+    """whole --num-steps trajectories per auxiliary minibatch (4 x 128 = 512 states)"""
+    aux_kl_stop: float = 0.02
+    """stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)"""
+    micro_batch_size: int = 512
+    """forward/backward a minibatch in chunks of this many states; the gradients add up to the
+    same update, and peak memory grows with the chunk (0 = the whole minibatch at once)"""
+
+
+OBS_SHAPE = (84, 84, 4)  # HWC uint8: 84x84 grayscale, the 4 most recent frames as channels
+NUM_ACTIONS = 18  # the most any game has (the full action set), for the memory estimate
+
+
+# ======================================================================================
+# 2. Plan: validate the flags and derive every count once
+# ======================================================================================
+class ArgError(Exception):
+    """A bad flag or combination of flags; main() prints it as one line and exits."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch_size: int  # env steps per rollout = num_envs * num_steps
+    minibatch_size: int  # states per PPO minibatch
+    num_iterations: int  # rollouts in the whole run
+    num_phases: int  # ceil(num_iterations / N_pi); the last one may be shorter
+    num_aux_phases: int  # auxiliary phases that actually run (none after the last rollout)
+    total_env_steps: int  # num_iterations * batch_size: what the run really does
+    aux_slots: int  # rollouts the buffer holds: N_pi if an auxiliary phase ever runs, else 1
+    aux_minibatches: int  # auxiliary minibatches per epoch
+    buffer_bytes: int  # bytes of the preallocated uint8 observation buffer
+
+
+def make_plan(args: Args) -> Plan:
+    """Check every flag and derive the run's counts. Raises ArgError with a one-line message."""
+    check_env_args(args)
+    if args.arch not in ("dual", "detach", "shared"):
+        raise ArgError(f"--arch {args.arch!r} is unknown; use dual, detach or shared")
+    for flag, value in [("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
+                        ("--num-minibatches", args.num_minibatches), ("--n-pi", args.n_pi),
+                        ("--e-pi", args.e_pi), ("--e-v", args.e_v), ("--total-timesteps", args.total_timesteps),
+                        ("--aux-mb-trajectories", args.aux_mb_trajectories)]:
+        if value < 1:
+            raise ArgError(f"{flag} must be at least 1 (got {value})")
+    for flag, value in [("--e-aux", args.e_aux), ("--micro-batch-size", args.micro_batch_size), ("--beta-clone", args.beta_clone),
+                        ("--ent-coef", args.ent_coef), ("--aux-kl-stop", args.aux_kl_stop),
+                        ("--max-grad-norm", args.max_grad_norm)]:
+        if value < 0:
+            raise ArgError(f"{flag} must be >= 0 (got {value})")
+    for flag, value in [("--learning-rate", args.learning_rate), ("--clip-coef", args.clip_coef)]:
+        if not value > 0:
+            raise ArgError(f"{flag} must be > 0 (got {value})")
+    for flag, value in [("--gamma", args.gamma), ("--gae-lambda", args.gae_lambda),
+                        ("--reward-norm-gamma", args.reward_norm_gamma)]:
+        if not 0 <= value <= 1:
+            raise ArgError(f"{flag} must lie in [0, 1] (got {value})")
+    batch_size = args.num_envs * args.num_steps
+    if batch_size % args.num_minibatches:
+        raise ArgError(f"--num-minibatches {args.num_minibatches} does not divide the rollout of "
+                       f"--num-envs x --num-steps = {batch_size} states; pick a divisor of {batch_size}")
+    if args.track:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ArgError("--track needs wandb: pip install wandb") from None
+
+    num_iterations = -(-args.total_timesteps // batch_size)  # round UP: never train less than asked
+    num_aux_phases = (num_iterations - 1) // args.n_pi if args.e_aux > 0 else 0
+    aux_slots = args.n_pi if num_aux_phases > 0 else 1
+    trajectories = aux_slots * args.num_envs
+    if num_aux_phases > 0 and trajectories % args.aux_mb_trajectories:
+        raise ArgError(f"--aux-mb-trajectories {args.aux_mb_trajectories} does not divide the "
+                       f"{trajectories} trajectories of an auxiliary phase (--n-pi x --num-envs)")
+    return Plan(
+        batch_size=batch_size,
+        minibatch_size=batch_size // args.num_minibatches,
+        num_iterations=num_iterations,
+        num_phases=-(-num_iterations // args.n_pi),
+        num_aux_phases=num_aux_phases,
+        total_env_steps=num_iterations * batch_size,
+        aux_slots=aux_slots,
+        aux_minibatches=trajectories // args.aux_mb_trajectories,
+        buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE),
+    )
+
+
+# Peak bytes of autograd activations per state and per Nature CNN trunk for one forward+backward:
+# peak-RSS growth over 256..1,024 states on the 2-core CPU machine was 0.29-0.35 MB, rounded up.
+ACTIVATION_BYTES_PER_TRUNK_STATE = 400_000
+
+
+def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
+    """Estimate the run's memory and stop with one line if it cannot fit. Returns (needed, free)."""
+    states = plan.aux_slots * args.num_envs * args.num_steps
+    chunk = args.micro_batch_size or max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)
+    needed = (plan.buffer_bytes  # uint8 observations of every rollout of the phase
+              + states * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
+              + plan.batch_size * 4 * 8  # one rollout's actions, log-probs, values, rewards, ...
+              + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1))  # one chunk's activations
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = "GPU memory"
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                meminfo = dict(line.split(":", 1) for line in f)
+            free = int(meminfo["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return needed, -1  # no /proc (not Linux): cannot tell, so do not guess
+        where = "RAM"
+    if needed > free:
+        raise ArgError(f"this run needs about {needed / 2**30:.1f} GiB of {where} (the observation buffer alone "
+                       f"is {plan.buffer_bytes / 2**30:.1f} GiB) but only {free / 2**30:.1f} GiB is free; "
+                       f"shrink it with a smaller --n-pi, --num-envs, --num-steps or --micro-batch-size")
+    return needed, free
+
+
+# ======================================================================================
+# 3. Environment
+# ======================================================================================
+def ale_env_id(env_id: str) -> Tuple[str, float]:
+    """(the ALE/*-v5 id the vector env is registered under, the id's own sticky-action probability).
+    *NoFrameskip-v4 ids keep their protocol (no sticky actions) on the v5 vector entry point."""
+    if env_id.endswith("NoFrameskip-v4"):
+        return f"ALE/{env_id[:-len('NoFrameskip-v4')]}-v5", 0.0
+    return env_id, 0.25
+
+
+def check_env_args(args: Args) -> None:
+    import difflib
+
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    ale_id, _ = ale_env_id(args.env_id)
+    if ale_id not in gym.registry:
+        games = [k[len("ALE/"):-len("-v5")] for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")]
+        name = ale_id[len("ALE/"):-len("-v5")] if ale_id.startswith("ALE/") and ale_id.endswith("-v5") else args.env_id
+        close = difflib.get_close_matches(name, games, n=3)
+        hint = f"did you mean {' or '.join(f'{g}NoFrameskip-v4' for g in close)}?" if close else \
+            f"the {len(games)} games are listed by ale_py.roms.get_all_rom_ids()"
+        raise ArgError(f"--env-id {args.env_id!r} is not an Atari game of ale-py (use names like "
+                       f"BreakoutNoFrameskip-v4 or ALE/Breakout-v5); {hint}")
+    if args.repeat_action_probability is not None and not 0 <= args.repeat_action_probability < 1:
+        raise ArgError(f"--repeat-action-probability must lie in [0, 1) (got {args.repeat_action_probability})")
+    if args.max_episode_frames < 1:
+        raise ArgError(f"--max-episode-frames must be at least 1 (got {args.max_episode_frames})")
+
+
+class AtariVecEnv:
+    """ale-py's native multi-threaded vector env with the standard preprocessing (frame-skip 4 with
+    max-pooling, 84x84 grayscale, 4 stacked frames, up to 30 no-op starts, FIRE on reset). Returns
+    uint8 HWC frames, the TRAINING reward (clipped) and done (a lost life counts), and the
+    (env, raw score, length) of every finished GAME, all lives included: the number papers report.
+    The vector env resets an env inside the step that ends its game (SAME_STEP autoreset)."""
+
+    def __init__(self, args: Args, num_envs: int, seed: int, video_dir: Optional[str] = None):
+        import ale_py
+        import gymnasium as gym
+
+        gym.register_envs(ale_py)
+        ale_id, sticky = ale_env_id(args.env_id)
+        if args.repeat_action_probability is not None:
+            sticky = args.repeat_action_probability
+        # The vector env's own life-loss and reward-clipping options stay off: its episodic_life
+        # resets the whole game at each lost life. Both are done below, for training only.
+        self.env = gym.make_vec(ale_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
+                                repeat_action_probability=sticky, frameskip=4, maxpool=True, img_height=84,
+                                img_width=84, grayscale=True, stack_num=4, noop_max=30, use_fire_reset=True,
+                                max_num_frames_per_episode=args.max_episode_frames, episodic_life=False,
+                                reward_clipping=False, autoreset_mode="SameStep")
+        self.args, self.seed, self.num_envs = args, seed, num_envs
+        self.num_actions = self.env.single_action_space.n
+        self.lives = np.zeros(num_envs, dtype=np.int64)
+        self.returns = np.zeros(num_envs, dtype=np.float64)
+        self.lengths = np.zeros(num_envs, dtype=np.int64)
+        self.video_dir, self.frames, self.episodes_of_env0 = video_dir, [], 0
+
+    def reset(self) -> np.ndarray:
+        obs, info = self.env.reset(seed=self.seed)  # env i gets seed + i
+        self.lives = info["lives"].copy()
+        obs = np.ascontiguousarray(obs.transpose(0, 2, 3, 1))  # (N, stack, H, W) -> (N, H, W, stack)
+        if self.video_dir:
+            self.frames = [obs[0, :, :, -1]]
+        return obs
+
+    def step(self, actions: np.ndarray):
+        obs, rewards, terminated, truncated, info = self.env.step(actions.astype(np.int64))
+        obs = np.ascontiguousarray(obs.transpose(0, 2, 3, 1))
+        game_over = terminated | truncated
+        life_lost = (info["lives"] < self.lives) & ~game_over  # at game over, lives are the new game's
+        self.lives = info["lives"].copy()
+        self.returns += rewards
+        self.lengths += 1
+        finished = [(i, float(self.returns[i]), int(self.lengths[i])) for i in np.flatnonzero(game_over)]
+        self.returns[game_over] = 0.0
+        self.lengths[game_over] = 0
+        if self.video_dir:
+            self._record(obs, bool(game_over[0]))
+        train_rewards = np.sign(rewards) if self.args.clip_rewards else rewards
+        train_dones = game_over | life_lost if self.args.episodic_life else game_over
+        return obs, train_rewards.astype(np.float32), train_dones, finished
+
+    def _record(self, obs: np.ndarray, done0: bool) -> None:
+        if done0:  # save games 0, 1, 8, 27, 64, ... of env 0 (cubes, like gymnasium's RecordVideo)
+            k = self.episodes_of_env0
+            if round(k ** (1 / 3)) ** 3 == k:
+                import imageio_ffmpeg  # installed with gym3; imageio's own writer needs a newer one
+
+                os.makedirs(self.video_dir, exist_ok=True)
+                h, w = self.frames[0].shape[:2]
+                writer = imageio_ffmpeg.write_frames(os.path.join(self.video_dir, f"episode-{k}.mp4"), (w, h), fps=15,
+                                                     pix_fmt_in="gray", macro_block_size=4)
+                writer.send(None)  # start the ffmpeg process
+                for frame in self.frames:
+                    writer.send(np.ascontiguousarray(frame))
+                writer.close()
+            self.episodes_of_env0, self.frames = k + 1, []
+        self.frames.append(obs[0, :, :, -1])  # the newest of the stacked frames
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# ======================================================================================
+# 4. Networks: Nature CNN with orthogonal initialisation
+# ======================================================================================
+def orthogonal_init_(layer: nn.Module, gain: float) -> nn.Module:
+    """Orthogonal weights with this gain, bias 0: the init of the standard PPO Atari recipe."""
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class NatureEncoder(nn.Module):
+    """uint8 HWC frame stacks -> 512 features: the Nature DQN CNN (conv 32x8x8/4, 64x4x4/2,
+    64x3x3/1, dense 512), relu after every layer."""
+
+    def __init__(self, obs_shape: Tuple[int, ...], out_features=512):
+        super().__init__()
+        h, w, c = obs_shape
+        gain = math.sqrt(2)
+        self.convs = nn.Sequential(
+            orthogonal_init_(nn.Conv2d(c, 32, 8, stride=4), gain), nn.ReLU(),
+            orthogonal_init_(nn.Conv2d(32, 64, 4, stride=2), gain), nn.ReLU(),
+            orthogonal_init_(nn.Conv2d(64, 64, 3, stride=1), gain), nn.ReLU(),
+        )
+        with torch.no_grad():
+            flat = self.convs(torch.zeros(1, c, h, w)).numel()
+        self.dense = orthogonal_init_(nn.Linear(flat, out_features), gain)
+        self.out_features = out_features
+
+    def forward(self, obs_uint8: torch.Tensor) -> torch.Tensor:
+        # The one place frames become floats: a (B, H, W, C) uint8 batch, never a float buffer.
+        # permute() keeps the NHWC memory order, so the convs run channels_last (faster on CPU).
+        x = obs_uint8.permute(0, 3, 1, 2).float().div_(255.0)
+        return F.relu(self.dense(self.convs(x).flatten(1)))
+
+
+def make_trunk(obs_shape: Tuple[int, ...]) -> nn.Module:
+    return NatureEncoder(obs_shape)
+
+
+def init_head_(layer: nn.Linear, role: str) -> nn.Linear:
+    """Policy head gain 0.01 (near-uniform first policy), value heads gain 1, as in PPO Atari."""
+    return orthogonal_init_(layer, 0.01 if role == "policy" else 1.0)
+
+
+class PPGAgent(nn.Module):
+    """Policy network: trunk + policy head + auxiliary value head. True value head:
+    dual   - on its own trunk (the value network), so no value gradient reaches the policy trunk;
+    detach - on the policy trunk's detached features (the trunk learns value only in the aux phase);
+    shared - on the policy trunk (value gradients reach it every step: PPO's usual network)."""
+
+    def __init__(self, arch: str, obs_shape: Tuple[int, ...], num_actions: int):
+        super().__init__()
+        self.arch = arch
+        self.pi_trunk = make_trunk(obs_shape)
+        width = self.pi_trunk.out_features
+        self.pi_head = init_head_(nn.Linear(width, num_actions), "policy")
+        self.aux_value_head = init_head_(nn.Linear(width, 1), "value")
+        self.v_trunk = make_trunk(obs_shape) if arch == "dual" else None
+        self.value_head = init_head_(nn.Linear(width, 1), "value")
+
+    def forward(self, obs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (policy logits, true value V, auxiliary value V_aux)."""
+        h = self.pi_trunk(obs)
+        if self.arch == "dual":
+            value = self.value_head(self.v_trunk(obs))
+        elif self.arch == "detach":
+            value = self.value_head(h.detach())
+        else:
+            value = self.value_head(h)
+        return self.pi_head(h), value.squeeze(-1), self.aux_value_head(h).squeeze(-1)
+
+    def logits(self, obs: torch.Tensor) -> torch.Tensor:
+        """The policy alone (no value network pass): for the pi_old snapshot and evaluation."""
+        return self.pi_head(self.pi_trunk(obs))
+
+    def policy_parameters(self) -> List[nn.Parameter]:
+        """theta_pi: the policy trunk and its two heads."""
+        return [*self.pi_trunk.parameters(), *self.pi_head.parameters(), *self.aux_value_head.parameters()]
+
+    def value_parameters(self) -> List[nn.Parameter]:
+        """theta_V: the value network (dual) or the value head alone (detach, shared)."""
+        trunk = list(self.v_trunk.parameters()) if self.v_trunk is not None else []
+        return [*trunk, *self.value_head.parameters()]
+
+
+# ======================================================================================
+# 5. Small pieces, each a plain function or class the tests call directly
+# ======================================================================================
+class RewardNormalizer:
+    """Divide rewards by the running std of each env's discounted return (no mean subtraction),
+    then clip: the released code's scheme, which keeps value targets near unit scale."""
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, epsilon: float = 1e-8):
+        self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
+        self.ret = np.zeros(num_envs, dtype=np.float64)
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def __call__(self, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
+        self.ret = self.ret * self.gamma + rewards
+        self._update(self.ret)
+        self.ret[dones] = 0.0  # the episode ended with this reward
+        return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
+
+    def _update(self, x: np.ndarray) -> None:  # parallel (Chan et al.) update of mean and variance
+        n, mean, var = x.size, x.mean(), x.var()
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
+        self.count = total
+
+
+def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
+    """Generalised advantage estimation over (num_envs, num_steps) tensors.
+    ended[:, t] is True when step t's transition ended its episode (the value after it is 0).
+    Returns (advantages, returns = advantages + values)."""
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[1])):
+        following = next_value if t == rewards.shape[1] - 1 else values[:, t + 1]
+        alive = 1.0 - ended[:, t].float()
+        delta = rewards[:, t] + gamma * following * alive - values[:, t]
+        last = delta + gamma * lam * alive * last
+        advantages[:, t] = last
+    return advantages, advantages + values
+
+
+def ppo_policy_loss(logits, actions, old_logprobs, advantages, clip_coef: float):
+    """PPO's clipped surrogate (to minimise). Returns (loss, entropy, approx_kl, clipfrac)."""
+    logprobs = F.log_softmax(logits, dim=-1)
+    new_logprob = logprobs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    logratio = new_logprob - old_logprobs
+    ratio = logratio.exp()
+    loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
+    entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()  # the low-variance k3 estimator
+        clipfrac = ((ratio - 1).abs() > clip_coef).float().mean()
+    return loss, entropy, approx_kl, clipfrac
+
+
+def value_loss(values, returns):
+    """0.5 * MSE, unclipped (the paper clips neither values nor gradients)."""
+    return 0.5 * (values - returns).pow(2).mean()
+
+
+def clone_kl(old_logits, new_logits):
+    """Exact KL(pi_old || pi) over all actions, averaged over states. `old_logits` may be logits
+    or log-probabilities (log_softmax leaves log-probabilities unchanged)."""
+    old_logp = F.log_softmax(old_logits, dim=-1)
+    return (old_logp.exp() * (old_logp - F.log_softmax(new_logits, dim=-1))).sum(-1).mean()
+
+
+def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: float):
+    """L_joint = L_aux + beta_clone * L_clone. Returns (L_joint, L_aux, L_clone)."""
+    l_aux = value_loss(aux_values, returns)
+    l_clone = clone_kl(old_logits, new_logits)
+    return l_aux + beta_clone * l_clone, l_aux, l_clone
+
+
+def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]):
+    """Backpropagate the mean loss over n states in chunks of `chunk` (0 = all at once).
+    Each chunk's mean loss is weighted by its share of n, so the summed gradient equals that of
+    one pass over all n, while only one chunk's activations are alive at a time.
+    Returns the (detached) statistics of loss_fn, averaged the same way."""
+    chunk = chunk or n
+    stats: Dict[str, torch.Tensor] = {}
+    for start in range(0, n, chunk):
+        part = slice(start, min(start + chunk, n))
+        weight = (part.stop - part.start) / n
+        loss, chunk_stats = loss_fn(part)
+        (loss * weight).backward()
+        for k, v in chunk_stats.items():
+            stats[k] = stats.get(k, 0.0) + weight * v.detach()
+    return stats
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: List[nn.Parameter], max_grad_norm: float) -> None:
+    if max_grad_norm > 0:
+        nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+
+
+@torch.no_grad()
+def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
+    """pi_old for the auxiliary phase: log-probabilities of the policy as it stands NOW (after the
+    policy phase) on every state of the buffer, not the rollout-time ones. (T, S, A) float32."""
+    flat = obs_buffer.flatten(0, 1)
+    out = torch.empty(flat.shape[0], agent.pi_head.out_features, device=flat.device)
+    for start in range(0, flat.shape[0], chunk):
+        out[start:start + chunk] = F.log_softmax(agent.logits(flat[start:start + chunk]), dim=-1)
+    return out.view(*obs_buffer.shape[:2], -1)
+
+
+# ======================================================================================
+# 6. The two phases
+# ======================================================================================
+def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
+                        args: Args, plan: Plan) -> Dict[str, float]:
+    """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout.
+    Both losses of an epoch share each minibatch's backward pass, as in the released code; for dual
+    and detach the two losses touch disjoint parameters, so this equals two separate loops.
+    The auxiliary value head gets no gradient here. Returns means over all minibatches."""
+    n = batch["obs"].shape[0]
+    sums: Dict[str, torch.Tensor] = {}
+    counts: Dict[str, int] = {}
+    for epoch in range(max(args.e_pi, args.e_v)):
+        train_pi, train_v = epoch < args.e_pi, epoch < args.e_v
+        for idx in torch.randperm(n, device=batch["obs"].device).split(plan.minibatch_size):
+            mb = {k: v[idx] for k, v in batch.items()}
+
+            def loss_fn(part: slice):
+                logits, values, _ = agent(mb["obs"][part])
+                loss, stats = 0.0, {}
+                if train_pi:
+                    pg_loss, entropy, approx_kl, clipfrac = ppo_policy_loss(
+                        logits, mb["actions"][part], mb["logprobs"][part], mb["advantages"][part], args.clip_coef)
+                    loss = loss + pg_loss - args.ent_coef * entropy
+                    stats.update(policy_loss=pg_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
+                if train_v:
+                    v_loss = value_loss(values, mb["returns"][part])
+                    loss = loss + v_loss
+                    stats.update(value_loss=v_loss)
+                return loss, stats
+
+            optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
+            optimizer_step(optimizer, list(agent.parameters()), args.max_grad_norm)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+                counts[k] = counts.get(k, 0) + 1
+    return {k: float(sums[k]) / counts[k] for k in sums}
+
+
+def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffer: torch.Tensor,
+                    returns_buffer: torch.Tensor, args: Args) -> Dict:
+    """Snapshot pi_old, then E_aux epochs over minibatches of whole trajectories of
+    L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone KL(pi_old || pi)  on the policy network, and
+    L_value = 0.5 (V - V_hat)^2  on the value network. V_hat (returns_buffer) stays fixed.
+    Stops after an epoch whose mean KL exceeds --aux-kl-stop (the seed's KL guard)."""
+    chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
+    t0 = time.perf_counter()
+    old_logprobs = snapshot_policy(agent, obs_buffer, chunk)
+    snapshot_s = time.perf_counter() - t0
+    optimizer.zero_grad(set_to_none=True)  # phase boundary: nothing from the policy phase carries over
+
+    epochs, stopped_early = [], False
+    for epoch in range(args.e_aux):
+        sums: Dict[str, torch.Tensor] = {}
+        minibatches = torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories)
+        for traj in minibatches:
+            # Whole trajectories: each one is a contiguous row block of the buffer.
+            obs = obs_buffer[traj].flatten(0, 1)
+            targets = returns_buffer[traj].flatten()
+            old = old_logprobs[traj].flatten(0, 1)
+
+            def loss_fn(part: slice):
+                logits, values, aux_values = agent(obs[part])
+                joint, l_aux, l_clone = aux_joint_loss(aux_values, targets[part], old[part], logits, args.beta_clone)
+                l_value = value_loss(values, targets[part])
+                return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint,
+                                             value_loss=l_value)
+
+            optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
+            optimizer_step(optimizer, list(agent.parameters()), args.max_grad_norm)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+        epochs.append({k: float(v) / len(minibatches) for k, v in sums.items()})
+        if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop:
+            stopped_early = True
+            break
+    return dict(epochs=epochs, stopped_early=stopped_early, snapshot_s=snapshot_s,
+                aux_s=time.perf_counter() - t0 - snapshot_s)
+
+
+# ======================================================================================
+# 7. main(): the paper's Algorithm 1
+# ======================================================================================
+def main(args: Args) -> None:
+    try:
+        plan = make_plan(args)
+        device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+        mem_needed, mem_free = check_memory(args, plan, device)
+    except ArgError as e:
+        sys.exit(f"error: {e}")
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    print(f"run {run_name} on {device}: {plan.num_phases} phases x N_pi={args.n_pi} iterations = "
+          f"{plan.num_iterations} rollouts of {args.num_envs} envs x {args.num_steps} steps = "
+          f"{plan.total_env_steps:,} env steps" +
+          (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
+           if plan.total_env_steps != args.total_timesteps else ""))
+    print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
+          f"{plan.num_aux_phases} auxiliary phases of {plan.aux_minibatches} minibatches x "
+          f"{args.aux_mb_trajectories * args.num_steps} states; PPO minibatch {plan.minibatch_size} states; "
+          f"observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; estimated need "
+          f"{mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                   config=vars(args), name=run_name, save_code=True)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(f"runs/{run_name}")
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    # ---- Environment: env i is seeded with --seed + i ----
+    envs = AtariVecEnv(args, args.num_envs, args.seed, video_dir=f"videos/{run_name}" if args.capture_video else None)
+    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
+
+    # ---- Networks and the two optimizers (each persists across phases) ----
+    agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions).to(device)
+    policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
+    aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
+
+    # ---- Buffers. Slot i of the auxiliary buffer IS the rollout buffer of iteration i of a phase:
+    # rollouts are written straight into it as uint8, so the aux buffer costs no copy. Rows are
+    # whole trajectories (num_envs rows per rollout), so aux minibatches gather contiguous rows. ----
+    obs_buffer = torch.empty((plan.aux_slots * args.num_envs, args.num_steps, *OBS_SHAPE), dtype=torch.uint8, device=device)
+    returns_buffer = torch.zeros((plan.aux_slots * args.num_envs, args.num_steps), device=device)
+    shape = (args.num_envs, args.num_steps)
+    actions = torch.zeros(shape, dtype=torch.long, device=device)
+    logprobs, values, rewards = (torch.zeros(shape, device=device) for _ in range(3))
+    ended = torch.zeros(shape, dtype=torch.bool, device=device)
+
+    global_step, aux_epochs_done, start_time = 0, 0, time.time()
+    recent_returns = deque(maxlen=100)
+    next_obs = torch.from_numpy(envs.reset()).to(device)
+    for phase in range(1, plan.num_phases + 1):
+        phase_start, rollout_s, update_s = time.time(), 0.0, 0.0
+        phase_iterations = min(args.n_pi, plan.num_iterations - (phase - 1) * args.n_pi)
+        # ============ Policy phase: N_pi iterations of rollout + PPO ============
+        for it in range(phase_iterations):
+            iteration = (phase - 1) * args.n_pi + it + 1
+            rows = slice((it % plan.aux_slots) * args.num_envs, (it % plan.aux_slots + 1) * args.num_envs)
+            rollout_obs = obs_buffer[rows]
+
+            # -- Collect a rollout with the current policy (no autograd) --
+            t0 = time.time()
+            with torch.no_grad():
+                for step in range(args.num_steps):
+                    rollout_obs[:, step] = next_obs
+                    logits, value, _ = agent(next_obs)
+                    dist = torch.distributions.Categorical(logits=logits)
+                    action = dist.sample()
+                    actions[:, step], logprobs[:, step], values[:, step] = action, dist.log_prob(action), value
+                    obs_np, reward_np, done_np, finished = envs.step(action.cpu().numpy())
+                    rewards[:, step] = torch.from_numpy(reward_normalizer(reward_np, done_np)).to(device)
+                    ended[:, step] = torch.from_numpy(done_np).to(device)
+                    next_obs = torch.from_numpy(obs_np).to(device)
+                    global_step += args.num_envs
+                    for _, ep_return, ep_length in finished:  # every finished game, raw score of all lives
+                        writer.add_scalar("charts/episodic_return", ep_return, global_step)
+                        writer.add_scalar("charts/episodic_length", ep_length, global_step)
+                        recent_returns.append(ep_return)
+                # -- GAE with the value network's predictions; V_hat = V + A --
+                advantages, returns = compute_gae(rewards, values, ended, agent(next_obs)[1],
+                                                  args.gamma, args.gae_lambda)
+            rollout_s += time.time() - t0
+
+            # -- E_pi epochs of PPO on the policy, E_V epochs of value loss (advantages normalised once) --
+            t0 = time.time()
+            batch = dict(obs=rollout_obs.flatten(0, 1), actions=actions.flatten(), logprobs=logprobs.flatten(),
+                         advantages=((advantages - advantages.mean()) / (advantages.std() + 1e-8)).flatten(),
+                         returns=returns.flatten())
+            stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
+            update_s += time.time() - t0
+
+            # -- Store V_hat for the auxiliary phase (the observations are already in place) --
+            returns_buffer[rows] = returns
+
+            var_y = returns.var()
+            explained_var = float("nan") if var_y == 0 else float(1 - (returns - values).var() / var_y)
+            for k, v in stats.items():
+                writer.add_scalar(f"losses/{k}", v, global_step)
+            writer.add_scalar("losses/explained_variance", explained_var, global_step)
+            writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
+            sps = int(global_step / (time.time() - start_time))
+            writer.add_scalar("charts/SPS", sps, global_step)
+            eta = (plan.total_env_steps - global_step) / max(sps, 1)
+            mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
+            print(f"phase {phase}/{plan.num_phases} iter {iteration}/{plan.num_iterations} "
+                  f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {eta / 3600:.1f}h "
+                  f"return(last {len(recent_returns)}) {mean_return} policy_loss {stats['policy_loss']:.4f} "
+                  f"value_loss {stats['value_loss']:.4f}", flush=True)
+        policy_phase_s = time.time() - phase_start
+
+        # ============ Auxiliary phase: snapshot pi_old, E_aux epochs, then the buffer is reused ============
+        aux = None
+        if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing uses it
+            policy_optimizer.zero_grad(set_to_none=True)  # phase boundary
+            aux = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
+            for epoch_stats in aux["epochs"]:  # x-axis of the aux/ tags: auxiliary epochs run so far
+                aux_epochs_done += 1
+                for k, v in epoch_stats.items():
+                    writer.add_scalar(f"aux/{k}", v, aux_epochs_done)
+            writer.add_scalar("charts/aux_epochs", len(aux["epochs"]), global_step)
+            if aux["stopped_early"]:
+                print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
+                      f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
+            aux_optimizer.zero_grad(set_to_none=True)  # phase boundary
+
+        # ---- Per-phase timing and memory: where the time goes, and how far from the buffer's size ----
+        phase_s = time.time() - phase_start
+        timings = dict(rollout=rollout_s, policy_update=update_s, snapshot=aux["snapshot_s"] if aux else 0.0,
+                       aux_epochs=aux["aux_s"] if aux else 0.0)
+        for k, v in timings.items():
+            writer.add_scalar(f"timing/{k}_s", v, global_step)
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss
+        writer.add_scalar("charts/peak_memory_GiB", peak / 2**30, global_step)
+        print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
+              f"; policy-phase SPS {phase_iterations * plan.batch_size / policy_phase_s:.0f}, whole-phase SPS "
+              f"{phase_iterations * plan.batch_size / phase_s:.0f}; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
+              f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB)", flush=True)
+
+    if args.save_model:
+        torch.save(agent.state_dict(), f"runs/{run_name}/{args.exp_name}.pt")
+        print(f"model saved to runs/{run_name}/{args.exp_name}.pt")
+    envs.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
