@@ -77,6 +77,8 @@ class Args:
     """discount factor of GAE and the value targets"""
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
+    norm_reward: bool = False
+    """if toggled, divide rewards by the running std of their discounted return, clipped to +-10"""
     reward_norm_gamma: float = 0.99
     """discount of the return whose running std scales the rewards (0.99 in the released code)"""
     num_minibatches: int = 4
@@ -90,8 +92,7 @@ class Args:
 
     # Phasic Policy Gradient
     arch: str = "dual"
-    """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached
-    features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
+    """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
     n_pi: int = 32
     """N_pi: policy-phase iterations (rollouts) per phase"""
     e_pi: int = 1
@@ -107,8 +108,7 @@ class Args:
     aux_kl_stop: float = 0.02
     """stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)"""
     micro_batch_size: int = 512
-    """forward/backward a minibatch in chunks of this many states; the gradients add up to the
-    same update, and peak memory grows with the chunk (0 = the whole minibatch at once)"""
+    """forward/backward a minibatch in chunks of this many states: the gradients add up to the same update, and peak memory grows with the chunk (0 = the whole minibatch at once)"""
 
 
 OBS_SHAPE = (84, 84, 4)  # HWC uint8: 84x84 grayscale, the 4 most recent frames as channels
@@ -681,7 +681,9 @@ def main(args: Args) -> None:
                     action = dist.sample()
                     actions[:, step], logprobs[:, step], values[:, step] = action, dist.log_prob(action), value
                     obs_np, reward_np, done_np, finished = envs.step(action.cpu().numpy())
-                    rewards[:, step] = torch.from_numpy(reward_normalizer(reward_np, done_np)).to(device)
+                    if args.norm_reward:
+                        reward_np = reward_normalizer(reward_np, done_np)
+                    rewards[:, step] = torch.from_numpy(reward_np).to(device)
                     ended[:, step] = torch.from_numpy(done_np).to(device)
                     next_obs = torch.from_numpy(obs_np).to(device)
                     global_step += args.num_envs

@@ -76,6 +76,8 @@ class Args:
     """discount factor of GAE and the value targets"""
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
+    norm_reward: bool = True
+    """if toggled, divide rewards by the running std of their discounted return, clipped to +-10"""
     reward_norm_gamma: float = 0.99
     """discount of the return whose running std scales the rewards (0.99 in the released code)"""
     num_minibatches: int = 8
@@ -89,8 +91,7 @@ class Args:
 
     # Phasic Policy Gradient
     arch: str = "dual"
-    """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached
-    features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
+    """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
     n_pi: int = 32
     """N_pi: policy-phase iterations (rollouts) per phase"""
     e_pi: int = 1
@@ -106,8 +107,7 @@ class Args:
     aux_kl_stop: float = 0.02
     """stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)"""
     micro_batch_size: int = 512
-    """forward/backward a minibatch in chunks of this many states; the gradients add up to the
-    same update, and peak memory grows with the chunk (0 = the whole minibatch at once)"""
+    """forward/backward a minibatch in chunks of this many states: the gradients add up to the same update, and peak memory grows with the chunk (0 = the whole minibatch at once)"""
 
 
 PROCGEN_GAMES = (
@@ -696,7 +696,9 @@ def main(args: Args) -> None:
                     action = dist.sample()
                     actions[:, step], logprobs[:, step], values[:, step] = action, dist.log_prob(action), value
                     obs_np, reward_np, done_np, finished = envs.step(action.cpu().numpy())
-                    rewards[:, step] = torch.from_numpy(reward_normalizer(reward_np, done_np)).to(device)
+                    if args.norm_reward:
+                        reward_np = reward_normalizer(reward_np, done_np)
+                    rewards[:, step] = torch.from_numpy(reward_np).to(device)
                     ended[:, step] = torch.from_numpy(done_np).to(device)
                     next_obs = torch.from_numpy(obs_np).to(device)
                     global_step += args.num_envs
