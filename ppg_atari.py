@@ -191,13 +191,17 @@ def make_plan(args: Args) -> Plan:
 # Peak bytes of autograd activations per state and per Nature CNN trunk for one forward+backward:
 # peak-RSS growth over 256..1,024 states on the 2-core CPU machine was 0.29-0.35 MB, rounded up.
 ACTIVATION_BYTES_PER_TRUNK_STATE = 400_000
+# Resident memory of the process before any buffer: python, torch, the envs (0.4-0.5 GiB measured).
+PROCESS_BYTES = 512 * 2**20
 
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
     """Estimate the run's memory and stop with one line if it cannot fit. Returns (needed, free)."""
     states = plan.aux_slots * args.num_envs * args.num_steps
-    chunk = args.micro_batch_size or max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)
-    needed = (plan.buffer_bytes  # uint8 observations of every rollout of the phase
+    largest = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)  # the largest minibatch
+    chunk = min(args.micro_batch_size, largest) if args.micro_batch_size else largest
+    needed = (PROCESS_BYTES
+              + plan.buffer_bytes  # uint8 observations of every rollout of the phase
               + states * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
               + plan.batch_size * 4 * 8  # one rollout's actions, log-probs, values, rewards, ...
               + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1))  # one chunk's activations
