@@ -637,9 +637,10 @@ def main(args: Args) -> None:
           f"{plan.total_env_steps:,} env steps" +
           (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
            if plan.total_env_steps != args.total_timesteps else ""))
+    aux_plan = (f"{plan.num_aux_phases} auxiliary phases of {plan.aux_minibatches} minibatches x "
+                f"{args.aux_mb_trajectories * args.num_steps} states" if plan.num_aux_phases else "no auxiliary phase")
     print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
-          f"{plan.num_aux_phases} auxiliary phases of {plan.aux_minibatches} minibatches x "
-          f"{args.aux_mb_trajectories * args.num_steps} states; PPO minibatch {plan.minibatch_size} states; "
+          f"{aux_plan}; PPO minibatch {plan.minibatch_size} states; "
           f"observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; estimated need "
           f"{mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
 

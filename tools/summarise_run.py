@@ -1,0 +1,36 @@
+"""Print a run's mean return over its last 100 finished episodes at given env steps, and its SPS.
+
+    python tools/summarise_run.py runs/BreakoutNoFrameskip-v4__ppg__1__1796042480 --at 100000 250000 500000
+"""
+
+import argparse
+
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a runs/{run_name} folder")
+    parser.add_argument("--at", type=int, nargs="+", default=[100_000, 250_000, 500_000], help="env steps")
+    parser.add_argument("--window", type=int, default=100, help="episodes averaged")
+    args = parser.parse_args()
+
+    acc = EventAccumulator(args.run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    episodes = acc.Scalars("charts/episodic_return")
+    steps = np.array([e.step for e in episodes])
+    returns = np.array([e.value for e in episodes])
+    last_step = max(e.step for e in acc.Scalars("charts/SPS"))
+    for at in args.at:
+        if at > last_step:
+            print(f"{at:>9,} steps: not reached (the run logged up to {last_step:,})")
+            continue
+        window = returns[steps <= at][-args.window:]
+        print(f"{at:>9,} steps: mean return {window.mean():7.2f} over the last {len(window)} episodes")
+    sps = acc.Scalars("charts/SPS")[-1]
+    print(f"SPS at step {sps.step:,}: {sps.value:.0f} (env steps per second since the start)")
+
+
+if __name__ == "__main__":
+    main()
