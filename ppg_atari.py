@@ -88,7 +88,7 @@ class Args:
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     max_grad_norm: float = 0.0
-    """clip the global gradient norm of every update to this (0 = no clipping, as in the paper)"""
+    """clip the gradient norm of the policy network and of the value network, each, to this (0 = no clipping, as in the paper)"""
 
     # Phasic Policy Gradient
     arch: str = "dual"
@@ -236,20 +236,22 @@ def ale_env_id(env_id: str) -> Tuple[str, float]:
 
 def check_env_args(args: Args) -> None:
     import difflib
+    import re
 
     import ale_py
     import gymnasium as gym
 
     gym.register_envs(ale_py)
     ale_id, _ = ale_env_id(args.env_id)
-    if ale_id not in gym.registry:
+    # Only ALE/*-v5 ids have ale-py's vector entry point; other styles (Breakout-v4, ...) have none.
+    if not (ale_id.startswith("ALE/") and ale_id.endswith("-v5") and ale_id in gym.registry):
         games = [k[len("ALE/"):-len("-v5")] for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")]
-        name = ale_id[len("ALE/"):-len("-v5")] if ale_id.startswith("ALE/") and ale_id.endswith("-v5") else args.env_id
+        name = re.sub(r"^ALE/|(NoFrameskip|Deterministic)?-v\d+$", "", args.env_id)
         close = difflib.get_close_matches(name, games, n=3)
         hint = f"did you mean {' or '.join(f'{g}NoFrameskip-v4' for g in close)}?" if close else \
-            f"the {len(games)} games are listed by ale_py.roms.get_all_rom_ids()"
-        raise ArgError(f"--env-id {args.env_id!r} is not an Atari game of ale-py (use names like "
-                       f"BreakoutNoFrameskip-v4 or ALE/Breakout-v5); {hint}")
+            f"ale-py registers {len(games)} games as ALE/<Game>-v5 (Breakout, Pong, SpaceInvaders, ...)"
+        raise ArgError(f"--env-id {args.env_id!r} is not an Atari id this script runs (use BreakoutNoFrameskip-v4 "
+                       f"or ALE/Breakout-v5 style); {hint}")
     if args.repeat_action_probability is not None and not 0 <= args.repeat_action_probability < 1:
         raise ArgError(f"--repeat-action-probability must lie in [0, 1) (got {args.repeat_action_probability})")
     if args.max_episode_frames < 1:
@@ -507,9 +509,12 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
     return stats
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params: List[nn.Parameter], max_grad_norm: float) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float) -> None:
+    """Adam step, after clipping the gradient norm of theta_pi and of theta_V separately (if asked),
+    so that one network's gradient never rescales the other's update."""
     if max_grad_norm > 0:
-        nn.utils.clip_grad_norm_(params, max_grad_norm)
+        nn.utils.clip_grad_norm_(agent.policy_parameters(), max_grad_norm)
+        nn.utils.clip_grad_norm_(agent.value_parameters(), max_grad_norm)
     optimizer.step()
 
 
@@ -557,7 +562,7 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
 
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
-            optimizer_step(optimizer, list(agent.parameters()), args.max_grad_norm)
+            optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
                 counts[k] = counts.get(k, 0) + 1
@@ -595,12 +600,12 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
 
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
-            optimizer_step(optimizer, list(agent.parameters()), args.max_grad_norm)
+            optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
         epochs.append({k: float(v) / len(minibatches) for k, v in sums.items()})
-        if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop:
-            stopped_early = True
+        if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop and epoch < args.e_aux - 1:
+            stopped_early = True  # only when an epoch is actually skipped
             break
     return dict(epochs=epochs, stopped_early=stopped_early, snapshot_s=snapshot_s,
                 aux_s=time.perf_counter() - t0 - snapshot_s)

@@ -87,7 +87,7 @@ class Args:
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     max_grad_norm: float = 0.0
-    """clip the global gradient norm of every update to this (0 = no clipping, as in the paper)"""
+    """clip the gradient norm of the policy network and of the value network, each, to this (0 = no clipping, as in the paper)"""
 
     # Phasic Policy Gradient
     arch: str = "dual"
@@ -500,9 +500,12 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
     return stats
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params: List[nn.Parameter], max_grad_norm: float) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float) -> None:
+    """Adam step, after clipping the gradient norm of theta_pi and of theta_V separately (if asked),
+    so that one network's gradient never rescales the other's update."""
     if max_grad_norm > 0:
-        nn.utils.clip_grad_norm_(params, max_grad_norm)
+        nn.utils.clip_grad_norm_(agent.policy_parameters(), max_grad_norm)
+        nn.utils.clip_grad_norm_(agent.value_parameters(), max_grad_norm)
     optimizer.step()
 
 
@@ -550,7 +553,7 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
 
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
-            optimizer_step(optimizer, list(agent.parameters()), args.max_grad_norm)
+            optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
                 counts[k] = counts.get(k, 0) + 1
@@ -588,12 +591,12 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
 
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
-            optimizer_step(optimizer, list(agent.parameters()), args.max_grad_norm)
+            optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
         epochs.append({k: float(v) / len(minibatches) for k, v in sums.items()})
-        if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop:
-            stopped_early = True
+        if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop and epoch < args.e_aux - 1:
+            stopped_early = True  # only when an epoch is actually skipped
             break
     return dict(epochs=epochs, stopped_early=stopped_early, snapshot_s=snapshot_s,
                 aux_s=time.perf_counter() - t0 - snapshot_s)

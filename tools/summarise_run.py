@@ -27,6 +27,9 @@ def main() -> None:
             print(f"{at:>9,} steps: not reached (the run logged up to {last_step:,})")
             continue
         window = returns[steps <= at][-args.window:]
+        if len(window) == 0:
+            print(f"{at:>9,} steps: no episode had finished yet")
+            continue
         print(f"{at:>9,} steps: mean return {window.mean():7.2f} over the last {len(window)} episodes")
     sps = acc.Scalars("charts/SPS")[-1]
     print(f"SPS at step {sps.step:,}: {sps.value:.0f} (env steps per second since the start)")
