@@ -521,7 +521,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad
 @torch.no_grad()
 def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
     """pi_old for the auxiliary phase: log-probabilities of the policy as it stands NOW (after the
-    policy phase) on every state of the buffer, not the rollout-time ones. (T, S, A) float32."""
+    policy phase) on every state of the buffer, not the rollout-time ones.
+    Shape (trajectories, steps, actions), float32."""
     flat = obs_buffer.flatten(0, 1)
     out = torch.empty(flat.shape[0], agent.pi_head.out_features, device=flat.device)
     for start in range(0, flat.shape[0], chunk):
@@ -579,7 +580,9 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
     t0 = time.perf_counter()
     old_logprobs = snapshot_policy(agent, obs_buffer, chunk)
     snapshot_s = time.perf_counter() - t0
-    optimizer.zero_grad(set_to_none=True)  # phase boundary: nothing from the policy phase carries over
+    # Phase boundary: both optimizers hold the same parameters, hence the same .grad tensors; zeroing
+    # here and on the way out means no gradient crosses between the phases either way.
+    optimizer.zero_grad(set_to_none=True)
 
     epochs, stopped_early = [], False
     for epoch in range(args.e_aux):
@@ -607,6 +610,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
         if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop and epoch < args.e_aux - 1:
             stopped_early = True  # only when an epoch is actually skipped
             break
+    optimizer.zero_grad(set_to_none=True)  # phase boundary, on the way back to the policy phase
     return dict(epochs=epochs, stopped_early=stopped_early, snapshot_s=snapshot_s,
                 aux_s=time.perf_counter() - t0 - snapshot_s)
 
@@ -736,7 +740,6 @@ def main(args: Args) -> None:
         # ============ Auxiliary phase: snapshot pi_old, E_aux epochs, then the buffer is reused ============
         aux = None
         if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing uses it
-            policy_optimizer.zero_grad(set_to_none=True)  # phase boundary
             aux = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
             for epoch_stats in aux["epochs"]:  # x-axis of the aux/ tags: auxiliary epochs run so far
                 aux_epochs_done += 1
@@ -746,7 +749,6 @@ def main(args: Args) -> None:
             if aux["stopped_early"]:
                 print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
                       f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
-            aux_optimizer.zero_grad(set_to_none=True)  # phase boundary
 
         # ---- Per-phase timing and memory: where the time goes, and how far from the buffer's size ----
         phase_s = time.time() - phase_start
