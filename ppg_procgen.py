@@ -10,6 +10,7 @@ One file, read top to bottom:
   7. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
 """
 
+import dataclasses
 import math
 import os
 import random
@@ -106,8 +107,10 @@ class Args:
     """whole --num-steps trajectories per auxiliary minibatch (4 x 256 = 1,024 states)"""
     aux_kl_stop: float = 0.02
     """stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)"""
-    micro_batch_size: int = 512
-    """forward/backward a minibatch in chunks of this many states: the gradients add up to the same update, and peak memory grows with the chunk (0 = the whole minibatch at once)"""
+    micro_batch_size: Optional[int] = None
+    """forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = the whole minibatch at once; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)"""
+    precision: str = "auto"
+    """`fp32`, `bf16` (autocast of the networks' trunks; weights, optimiser and loss math stay fp32), or `auto`: bf16 where the hardware runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16)"""
 
 
 PROCGEN_GAMES = (
@@ -164,7 +167,7 @@ def make_plan(args: Args) -> Plan:
                         ("--aux-mb-trajectories", args.aux_mb_trajectories)]:
         if value < 1:
             raise ArgError(f"{flag} must be at least 1 (got {value})")
-    for flag, value in [("--e-aux", args.e_aux), ("--micro-batch-size", args.micro_batch_size), ("--beta-clone", args.beta_clone),
+    for flag, value in [("--e-aux", args.e_aux), ("--micro-batch-size", args.micro_batch_size or 0), ("--beta-clone", args.beta_clone),
                         ("--ent-coef", args.ent_coef), ("--aux-kl-stop", args.aux_kl_stop),
                         ("--max-grad-norm", args.max_grad_norm)]:
         if value < 0:
@@ -211,6 +214,33 @@ def make_plan(args: Args) -> Plan:
 ACTIVATION_BYTES_PER_TRUNK_STATE = 1_800_000
 # Resident memory of the process before any buffer: python, torch, the envs (0.4-0.5 GiB measured).
 PROCESS_BYTES = 512 * 2**20
+
+
+def bf16_is_native(device: torch.device) -> Tuple[bool, str]:
+    """Whether this device runs bf16 convolutions and matmuls in hardware, and what it is."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(), torch.cuda.get_device_name(device)
+    for name, check in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+        if getattr(torch.cpu, check, lambda: False)():  # a private torch API, hence getattr
+            return True, f"the CPU has {name}"
+    return False, "the CPU has neither AMX nor AVX512-BF16"
+
+
+# The chunk that ran fastest on a CPU (tools/benchmark.py; README). A GPU takes whole minibatches.
+CPU_MICRO_BATCH = 256
+
+
+def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
+    """Pick the device, the precision and the chunk size. Returns args with `precision` and
+    `micro_batch_size` made concrete, the device, and why that precision was chosen."""
+    if args.precision not in ("auto", "fp32", "bf16"):
+        raise ArgError(f"--precision {args.precision!r} is unknown; use auto, fp32 or bf16")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    native, hardware = bf16_is_native(device)
+    precision = ("bf16" if native else "fp32") if args.precision == "auto" else args.precision
+    chunk = (0 if device.type == "cuda" else CPU_MICRO_BATCH) if args.micro_batch_size is None else args.micro_batch_size
+    why = f"auto: {hardware}" if args.precision == "auto" else f"--precision {args.precision}"
+    return dataclasses.replace(args, precision=precision, micro_batch_size=chunk), device, why
 
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
@@ -263,6 +293,12 @@ class ProcgenVecEnv:
 
     def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int,
                  video_dir: Optional[str] = None):
+        try:  # gym 0.26 (procgen's dependency) prints a 4-line "unmaintained" notice from this table at import
+            import gym_notices.notices
+
+            gym_notices.notices.notices.clear()
+        except ImportError:
+            pass
         from procgen import ProcgenEnv  # imported here so the flags are checked before gym loads
 
         self.env = ProcgenEnv(num_envs=num_envs, env_name=args.env_id, num_levels=num_levels,
@@ -374,9 +410,9 @@ class PPGAgent(nn.Module):
     detach - on the policy trunk's detached features (the trunk learns value only in the aux phase);
     shared - on the policy trunk (value gradients reach it every step: PPO's usual network)."""
 
-    def __init__(self, arch: str, obs_shape: Tuple[int, ...], num_actions: int):
+    def __init__(self, arch: str, obs_shape: Tuple[int, ...], num_actions: int, bf16: bool = False):
         super().__init__()
-        self.arch = arch
+        self.arch, self.bf16 = arch, bf16
         self.pi_trunk = make_trunk(obs_shape)
         width = self.pi_trunk.out_features
         self.pi_head = init_head_(nn.Linear(width, num_actions), "policy")
@@ -384,11 +420,17 @@ class PPGAgent(nn.Module):
         self.v_trunk = make_trunk(obs_shape) if arch == "dual" else None
         self.value_head = init_head_(nn.Linear(width, 1), "value")
 
+    def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
+        """The one place precision is chosen: with bf16, the trunk's convolutions and matmuls run
+        under autocast; its features come back fp32, so the small heads and all loss math are fp32."""
+        with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
+            return trunk(obs).float()
+
     def forward(self, obs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (policy logits, true value V, auxiliary value V_aux)."""
-        h = self.pi_trunk(obs)
+        """Returns (policy logits, true value V, auxiliary value V_aux), all fp32."""
+        h = self.features(self.pi_trunk, obs)
         if self.arch == "dual":
-            value = self.value_head(self.v_trunk(obs))
+            value = self.value_head(self.features(self.v_trunk, obs))
         elif self.arch == "detach":
             value = self.value_head(h.detach())
         else:
@@ -397,7 +439,7 @@ class PPGAgent(nn.Module):
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """The policy alone (no value network pass): for the pi_old snapshot and evaluation."""
-        return self.pi_head(self.pi_trunk(obs))
+        return self.pi_head(self.features(self.pi_trunk, obs))
 
     def policy_parameters(self) -> List[nn.Parameter]:
         """theta_pi: the policy trunk and its two heads."""
@@ -414,7 +456,9 @@ class PPGAgent(nn.Module):
 # ======================================================================================
 class RewardNormalizer:
     """Divide rewards by the running std of each env's discounted return (no mean subtraction),
-    then clip: the released code's scheme, which keeps value targets near unit scale."""
+    then clip: the released code's scheme, which keeps value targets near unit scale. As there, it
+    takes a whole rollout: the statistics are updated with every step's return first, then the
+    whole rollout is scaled by them."""
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, epsilon: float = 1e-8):
         self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
@@ -422,9 +466,13 @@ class RewardNormalizer:
         self.mean, self.var, self.count = 0.0, 1.0, 1e-4
 
     def __call__(self, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
-        self.ret = self.ret * self.gamma + rewards
-        self._update(self.ret)
-        self.ret[dones] = 0.0  # the episode ended with this reward
+        """rewards, dones: (num_envs, num_steps) of one rollout; returns the scaled rewards."""
+        rets = np.empty(rewards.shape, dtype=np.float64)
+        for t in range(rewards.shape[1]):
+            self.ret = self.ret * self.gamma + rewards[:, t]
+            rets[:, t] = self.ret
+            self.ret[dones[:, t]] = 0.0  # the episode ended with this reward
+        self._update(rets.ravel())
         return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
 
     def _update(self, x: np.ndarray) -> None:  # parallel (Chan et al.) update of mean and variance
@@ -470,8 +518,7 @@ def value_loss(values, returns):
 
 
 def clone_kl(old_logits, new_logits):
-    """Exact KL(pi_old || pi) over all actions, averaged over states. `old_logits` may be logits
-    or log-probabilities (log_softmax leaves log-probabilities unchanged)."""
+    """Exact KL(pi_old || pi) over all actions, averaged over states."""
     old_logp = F.log_softmax(old_logits, dim=-1)
     return (old_logp.exp() * (old_logp - F.log_softmax(new_logits, dim=-1))).sum(-1).mean()
 
@@ -511,13 +558,14 @@ def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad
 
 @torch.no_grad()
 def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
-    """pi_old for the auxiliary phase: log-probabilities of the policy as it stands NOW (after the
-    policy phase) on every state of the buffer, not the rollout-time ones.
-    Shape (trajectories, steps, actions), float32."""
+    """pi_old for the auxiliary phase: the logits of the policy as it stands NOW (after the policy
+    phase) on every state of the buffer, not the rollout-time ones. Logits, not log-probabilities:
+    clone_kl then normalises both sides by the same computation, so an unchanged policy gives a KL
+    of exactly 0. Shape (trajectories, steps, actions), float32."""
     flat = obs_buffer.flatten(0, 1)
     out = torch.empty(flat.shape[0], agent.pi_head.out_features, device=flat.device)
     for start in range(0, flat.shape[0], chunk):
-        out[start:start + chunk] = F.log_softmax(agent.logits(flat[start:start + chunk]), dim=-1)
+        out[start:start + chunk] = agent.logits(flat[start:start + chunk])
     return out.view(*obs_buffer.shape[:2], -1)
 
 
@@ -569,7 +617,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
     Stops after an epoch whose mean KL exceeds --aux-kl-stop (the seed's KL guard)."""
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
     t0 = time.perf_counter()
-    old_logprobs = snapshot_policy(agent, obs_buffer, chunk)
+    old_logits = snapshot_policy(agent, obs_buffer, chunk)
     snapshot_s = time.perf_counter() - t0
     # Phase boundary: both optimizers hold the same parameters, hence the same .grad tensors; zeroing
     # here and on the way out means no gradient crosses between the phases either way.
@@ -583,7 +631,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
             # Whole trajectories: each one is a contiguous row block of the buffer.
             obs = obs_buffer[traj].flatten(0, 1)
             targets = returns_buffer[traj].flatten()
-            old = old_logprobs[traj].flatten(0, 1)
+            old = old_logits[traj].flatten(0, 1)
 
             def loss_fn(part: slice):
                 logits, values, aux_values = agent(obs[part])
@@ -630,10 +678,25 @@ def evaluate(agent: PPGAgent, args: Args, device: torch.device) -> List[float]:
     return list(returns.values())
 
 
-def main(args: Args) -> None:
+def eta_seconds(args: Args, plan: Plan, iterations_done: int, policy_s: float, update_s: float, aux_s: float,
+                aux_phases_done: int) -> float:
+    """Time left: the remaining rollouts and aux phases at their measured costs. Until an aux phase
+    has run, its cost is the policy update's per state and epoch (an aux epoch does the same
+    forward+backward per state) times E_aux + 1/3 (the snapshot's forward pass) epochs."""
+    if aux_phases_done:
+        per_aux = aux_s / aux_phases_done
+    else:
+        per_state_epoch = update_s / (iterations_done * plan.batch_size * max(args.e_pi, args.e_v))
+        per_aux = per_state_epoch * plan.aux_slots * plan.batch_size * (args.e_aux + 1 / 3)
+    return ((plan.num_iterations - iterations_done) * policy_s / iterations_done
+            + (plan.num_aux_phases - aux_phases_done) * per_aux)
+
+
+def main(args: Args) -> List[Dict[str, float]]:
+    """Train; returns each phase's speed figures (tools/benchmark.py reads them)."""
     try:
+        args, device, precision_why = resolve_hardware(args)
         plan = make_plan(args)
-        device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
         mem_needed, mem_free = check_memory(args, plan, device)
     except ArgError as e:
         sys.exit(f"error: {e}")
@@ -650,6 +713,8 @@ def main(args: Args) -> None:
           f"{aux_plan}; PPO minibatch {plan.minibatch_size} states; "
           f"observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; estimated need "
           f"{mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
+    print(f"precision {args.precision} ({precision_why}); forward/backward in chunks of "
+          f"{args.micro_batch_size or 'whole minibatches of'} states")
 
     if args.track:
         import wandb
@@ -672,7 +737,7 @@ def main(args: Args) -> None:
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
     # ---- Networks and the two optimizers (each persists across phases) ----
-    agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions).to(device)
+    agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions, bf16=args.precision == "bf16").to(device)
     policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
     aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
 
@@ -686,7 +751,8 @@ def main(args: Args) -> None:
     logprobs, values, rewards = (torch.zeros(shape, device=device) for _ in range(3))
     ended = torch.zeros(shape, dtype=torch.bool, device=device)
 
-    global_step, aux_epochs_done, start_time = 0, 0, time.time()
+    global_step, aux_epochs_done, start_time, phase_reports = 0, 0, time.time(), []
+    spent = dict(policy=0.0, update=0.0, aux=0.0, aux_phases=0)  # totals so far, for the ETA
     recent_returns = deque(maxlen=100)
     next_obs = torch.from_numpy(envs.reset()).to(device)
     for phase in range(1, plan.num_phases + 1):
@@ -708,8 +774,6 @@ def main(args: Args) -> None:
                     action = dist.sample()
                     actions[:, step], logprobs[:, step], values[:, step] = action, dist.log_prob(action), value
                     obs_np, reward_np, done_np, finished = envs.step(action.cpu().numpy())
-                    if args.norm_reward:
-                        reward_np = reward_normalizer(reward_np, done_np)
                     rewards[:, step] = torch.from_numpy(reward_np).to(device)
                     ended[:, step] = torch.from_numpy(done_np).to(device)
                     next_obs = torch.from_numpy(obs_np).to(device)
@@ -719,6 +783,8 @@ def main(args: Args) -> None:
                         writer.add_scalar("charts/episodic_length", ep_length, global_step)
                         writer.add_scalar("charts/normalized_return", normalised_score(args, ep_return), global_step)
                         recent_returns.append(ep_return)
+                if args.norm_reward:  # once per rollout: update the return statistics, then scale
+                    rewards.copy_(torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ended.cpu().numpy())))
                 # -- GAE with the value network's predictions; V_hat = V + A --
                 advantages, returns = compute_gae(rewards, values, ended, agent(next_obs)[1],
                                                   args.gamma, args.gae_lambda)
@@ -743,10 +809,11 @@ def main(args: Args) -> None:
             writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
             sps = int(global_step / (time.time() - start_time))
             writer.add_scalar("charts/SPS", sps, global_step)
-            eta = (plan.total_env_steps - global_step) / max(sps, 1)
+            eta = eta_seconds(args, plan, iteration, spent["policy"] + rollout_s + update_s, spent["update"] + update_s,
+                              spent["aux"], spent["aux_phases"])
             mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
             print(f"phase {phase}/{plan.num_phases} iter {iteration}/{plan.num_iterations} "
-                  f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {eta / 3600:.1f}h "
+                  f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} "
                   f"return(last {len(recent_returns)}) {mean_return} policy_loss {stats['policy_loss']:.4f} "
                   f"value_loss {stats['value_loss']:.4f}", flush=True)
         policy_phase_s = time.time() - phase_start
@@ -764,18 +831,28 @@ def main(args: Args) -> None:
                 print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
                       f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
 
-        # ---- Per-phase timing and memory: where the time goes, and how far from the buffer's size ----
+        # ---- Per-phase timing, speed and memory: where the time goes, how fast the networks ran
+        # (forward+backward states/s), and how far peak memory is from the buffer's size ----
         phase_s = time.time() - phase_start
         timings = dict(rollout=rollout_s, policy_update=update_s, snapshot=aux["snapshot_s"] if aux else 0.0,
                        aux_epochs=aux["aux_s"] if aux else 0.0)
         for k, v in timings.items():
             writer.add_scalar(f"timing/{k}_s", v, global_step)
+        spent.update(policy=spent["policy"] + rollout_s + update_s, update=spent["update"] + update_s,
+                     aux=spent["aux"] + timings["snapshot"] + timings["aux_epochs"], aux_phases=spent["aux_phases"] + bool(aux))
+        steps = phase_iterations * plan.batch_size
+        report = dict(policy_phase_sps=steps / policy_phase_s, whole_phase_sps=steps / phase_s,
+                      update_states_per_s=steps * max(args.e_pi, args.e_v) / update_s,
+                      aux_states_per_s=len(aux["epochs"]) * obs_buffer.shape[0] * args.num_steps / aux["aux_s"] if aux else 0.0)
+        phase_reports.append(report)
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss
         writer.add_scalar("charts/peak_memory_GiB", peak / 2**30, global_step)
         print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
-              f"; policy-phase SPS {phase_iterations * plan.batch_size / policy_phase_s:.0f}, whole-phase SPS "
-              f"{phase_iterations * plan.batch_size / phase_s:.0f}; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
+              f"; SPS policy-phase {report['policy_phase_sps']:.0f}, whole-phase {report['whole_phase_sps']:.0f}; "
+              f"forward+backward states/s: update {report['update_states_per_s']:.0f}"
+              + (f", aux epochs {report['aux_states_per_s']:.0f}" if aux else "") +
+              f"; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
               f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB)", flush=True)
 
         # ---- Generalisation: the current policy on unseen levels, once per phase ----
@@ -790,6 +867,7 @@ def main(args: Args) -> None:
         print(f"model saved to runs/{run_name}/{args.exp_name}.pt")
     envs.close()
     writer.close()
+    return phase_reports
 
 
 if __name__ == "__main__":

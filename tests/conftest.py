@@ -16,8 +16,10 @@ SCRIPTS = ["ppg_procgen.py", "ppg_atari.py"]
 # The smallest runs that still exercise every phase: 3 rollouts in 2 phases, so one auxiliary
 # phase runs (and none after the last rollout). Finished episodes must be logged even in a run
 # this short: dodgeball ends random episodes within ~10 steps; Atari games are cut after 100 frames.
-_TINY = ["--num-envs", "2", "--num-steps", "32", "--n-pi", "2", "--total-timesteps", "192", "--num-minibatches", "2",
-         "--aux-mb-trajectories", "2", "--e-aux", "2", "--micro-batch-size", "8"]
+# One PPO minibatch per rollout and one aux minibatch per epoch, so each logged approx_kl is a first
+# minibatch's (ratio 1) and the first aux epoch's clone KL is the first minibatch's (pi_old = pi).
+_TINY = ["--num-envs", "2", "--num-steps", "32", "--n-pi", "2", "--total-timesteps", "192", "--num-minibatches", "1",
+         "--aux-mb-trajectories", "4", "--e-aux", "2", "--micro-batch-size", "8"]
 TINY_FLAGS = {
     "ppg_procgen.py": ["--env-id", "dodgeball", *_TINY],
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],

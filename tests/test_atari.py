@@ -13,8 +13,10 @@ atari = load_script("ppg_atari.py")
 
 
 def test_env_id_styles_and_sticky_defaults():
-    assert atari.ale_env_id("BreakoutNoFrameskip-v4") == ("ALE/Breakout-v5", 0.0)  # v4 protocol: no sticky actions
-    assert atari.ale_env_id("ALE/Breakout-v5") == ("ALE/Breakout-v5", 0.25)  # v5 protocol (Machado et al.)
+    # v4: no sticky actions, up to 30 no-op starts, FIRE on reset (DQN / baselines)
+    assert atari.ale_protocol("BreakoutNoFrameskip-v4") == ("ALE/Breakout-v5", 0.0, 30, True)
+    # v5: Machado et al. 2018: sticky actions 0.25 and no no-op starts or FIRE on reset
+    assert atari.ale_protocol("ALE/Breakout-v5") == ("ALE/Breakout-v5", 0.25, 0, False)
     atari.check_env_args(atari.Args(env_id="ALE/Pong-v5"))
     with pytest.raises(atari.ArgError, match="did you mean SpaceInvadersNoFrameskip-v4"):
         atari.check_env_args(atari.Args(env_id="SpaceInvaderNoFrameskip-v4"))

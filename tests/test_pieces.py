@@ -93,19 +93,83 @@ def test_reward_normalizer(script):
     rng = np.random.default_rng(0)
     norm = script.RewardNormalizer(num_envs=3, gamma=0.9)
     ret, seen, out = np.zeros(3), [], None
-    for t in range(500):
-        r = rng.normal(1.0, 2.0, size=3).astype(np.float32)
-        d = rng.random(3) < 0.05
+    for rollout in range(25):  # rollouts of 20 steps, as main() hands them over
+        r = rng.normal(1.0, 2.0, size=(3, 20)).astype(np.float32)
+        d = rng.random((3, 20)) < 0.05
         out = norm(r, d)
-        ret = ret * 0.9 + r
-        seen.append(ret.copy())
-        ret[d] = 0.0
+        for t in range(20):
+            ret = ret * 0.9 + r[:, t]
+            seen.append(ret.copy())
+            ret[d[:, t]] = 0.0
     # its variance is the variance of every discounted return seen (no mean subtraction of rewards)
     assert norm.var == pytest.approx(np.var(np.concatenate(seen)), rel=1e-3)
     assert np.allclose(out, np.clip(r / np.sqrt(norm.var + 1e-8), -10, 10), atol=1e-6)
-    assert out.dtype == np.float32
-    huge = norm(np.full(3, 1e6, dtype=np.float32), np.zeros(3, dtype=bool))
+    assert out.dtype == np.float32 and out.shape == (3, 20)
+    huge = norm(np.full((3, 2), 1e6, dtype=np.float32), np.zeros((3, 2), dtype=bool))
     assert np.all(huge == 10.0)
+
+
+def test_reward_normalizer_scales_a_rollout_by_statistics_that_include_it(script):
+    """The released code's order: the whole rollout's returns update the variance, then the whole
+    rollout is scaled by it, its first step too (a per-step update would scale the first rewards
+    by the prior variance of 1 alone)."""
+    norm = script.RewardNormalizer(num_envs=1, gamma=0.0)  # gamma 0: each return is its reward
+    rewards = np.array([[2.0, 4.0, 6.0, 8.0]], dtype=np.float32)
+    out = norm(rewards, np.zeros((1, 4), dtype=bool))
+    # returns 2, 4, 6, 8 (mean 5, variance 5) merged with the prior (mean 0, variance 1, count 1e-4)
+    count = 1e-4 + 4
+    var = (1.0 * 1e-4 + 5.0 * 4 + 25 * 1e-4 * 4 / count) / count
+    assert norm.var == pytest.approx(var)
+    # so the first step is scaled by about 1/sqrt(5), not clipped at 10 as a per-step update would
+    # (after one return of 2 against a prior of count 1e-4, the variance is about 5e-4)
+    assert np.allclose(out, rewards / np.sqrt(var + 1e-8)) and out[0, 0] == pytest.approx(0.894, abs=1e-3)
+
+
+def test_auto_precision_follows_the_hardware(script, monkeypatch):
+    monkeypatch.setattr(script, "bf16_is_native", lambda device: (False, "test: no bf16"))
+    args, device, why = script.resolve_hardware(script.Args(precision="auto", cuda=False))
+    assert args.precision == "fp32" and why == "auto: test: no bf16"
+    assert args.micro_batch_size == script.CPU_MICRO_BATCH  # None: the CPU's measured best
+    monkeypatch.setattr(script, "bf16_is_native", lambda device: (True, "test: bf16"))
+    assert script.resolve_hardware(script.Args(precision="auto", cuda=False))[0].precision == "bf16"
+    args = script.resolve_hardware(script.Args(precision="fp32", micro_batch_size=0, cuda=False))[0]
+    assert args.precision == "fp32" and args.micro_batch_size == 0
+    with pytest.raises(script.ArgError, match="--precision"):
+        script.resolve_hardware(script.Args(precision="fp16"))
+
+
+@pytest.mark.parametrize("arch", ["dual", "shared"])
+def test_bf16_gradients_point_the_same_way(script, arch):
+    """One minibatch's policy-phase and aux losses: bf16 autocast of the trunks changes the gradient
+    by rounding only. Weights and gradients stay fp32."""
+    grads = {}
+    for bf16 in (False, True):
+        agent = make_agent(script, arch)
+        agent.bf16 = bf16
+        batch = random_batch(script, 64, A)
+        logits, values, aux_values = agent(batch["obs"])
+        assert logits.dtype == values.dtype == aux_values.dtype == torch.float32
+        pg_loss, entropy, _, _ = script.ppo_policy_loss(logits, batch["actions"], batch["logprobs"],
+                                                        batch["advantages"], 0.2)
+        joint, _, _ = script.aux_joint_loss(aux_values, batch["returns"], logits.detach() + 0.3 * torch.randn_like(logits),
+                                            logits, 1.0)
+        (pg_loss - 0.01 * entropy + script.value_loss(values, batch["returns"]) + joint).backward()
+        assert all(p.grad.dtype == torch.float32 for p in agent.parameters() if p.grad is not None)
+        grads[bf16] = torch.cat([p.grad.flatten() for p in agent.parameters() if p.grad is not None])
+    cosine = torch.nn.functional.cosine_similarity(grads[False], grads[True], dim=0)
+    assert cosine >= 0.99, float(cosine)
+
+
+def test_eta_counts_the_aux_phase_before_one_has_run(script):
+    args = small_args(script, num_envs=4, num_steps=8, n_pi=2, e_aux=6, total_timesteps=32 * 10)
+    plan = script.make_plan(args)  # 10 rollouts of 32 states, 5 phases, 4 aux phases
+    # after 1 rollout: 1 s per rollout, of which 0.5 s update = 0.5/32 s per state and epoch
+    eta = script.eta_seconds(args, plan, 1, policy_s=1.0, update_s=0.5, aux_s=0.0, aux_phases_done=0)
+    per_aux = 0.5 / 32 * plan.aux_slots * 32 * (6 + 1 / 3)
+    assert eta == pytest.approx(9 * 1.0 + 4 * per_aux)
+    # once an aux phase has been timed, its measured cost replaces the estimate
+    eta = script.eta_seconds(args, plan, 2, policy_s=2.0, update_s=1.0, aux_s=30.0, aux_phases_done=1)
+    assert eta == pytest.approx(8 * 1.0 + 3 * 30.0)
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
@@ -209,20 +273,25 @@ def test_aux_phase_real_update_touches_each_network_only_through_its_loss(script
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
-def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16):
     """pi_old is the policy as it stands when the aux phase starts, so the first minibatch's clone KL
-    is zero; it is not retaken afterwards, so once the policy has moved the KL is positive."""
+    is zero (exactly, in bf16: the snapshot and the update share the same computation); it is not
+    retaken afterwards, so once the policy has moved the KL is positive."""
     agent = make_agent(script, arch)
+    agent.bf16 = bf16
     obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
     targets = torch.randn(4, 8) * 5
     # one minibatch per epoch: epoch 1's mean KL is the first minibatch's; epoch 2 follows one update
     args = small_args(script, e_aux=2, aux_mb_trajectories=4, aux_kl_stop=0.0)
     aux = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets, args)
-    assert aux["epochs"][0]["clone_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert aux["epochs"][0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
     assert aux["epochs"][1]["clone_kl"] > 1e-5
     old = script.snapshot_policy(agent, obs_buf, chunk=5)
     assert old.shape == (4, 8, A)
-    assert torch.allclose(old.exp().sum(-1), torch.ones(4, 8), atol=1e-5)
+    with torch.no_grad():
+        # the policy's logits as it is now (not log-probabilities), up to fp32 kernels' batch-size effects
+        assert torch.allclose(old, agent.logits(obs_buf.flatten(0, 1)).view(4, 8, A), atol=1e-6)
 
 
 def test_kl_guard_stops_aux_phase(script):
