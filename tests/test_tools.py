@@ -1,7 +1,10 @@
-"""tools/summarise_run.py, which turns a run's TensorBoard log into the README's evidence figures."""
+"""tools/summarise_run.py and tools/plot_runs.py, which turn runs' TensorBoard logs into the README's evidence
+figures and plots."""
 
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -20,3 +23,34 @@ def test_summarise_run_reads_returns_at_steps(tmp_path):
     assert "150,000 steps: mean return   99.50 over the last 100 episodes" in out
     assert "400,000 steps: not reached" in out
     assert "SPS at step 300,000: 123" in out
+
+
+def _write_run(run_dir, offset: float) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir))
+    for i in range(300):  # noisy returns rising with i, one episode every 1000 env steps
+        writer.add_scalar("charts/episodic_return", offset + i / 10 + (i * 7919 % 13), (i + 1) * 1000)
+    writer.close()
+
+
+def test_plot_runs_draws_a_png(tmp_path):
+    image = pytest.importorskip("matplotlib.image")
+    _write_run(tmp_path / "run_a", 0.0)
+    _write_run(tmp_path / "run_b", 5.0)
+    out = tmp_path / "returns.png"
+    tool = [sys.executable, str(ROOT / "tools" / "plot_runs.py")]
+    done = subprocess.run([*tool, str(tmp_path / "run_a"), str(tmp_path / "run_b"), "--labels", "PPG", "PPO", "--out",
+                           str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    png = out.read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(png) < 200_000
+    assert image.imread(str(out)).shape[:2] == (440, 770)  # figsize (7, 4) inches at 110 dpi
+
+    # a missing run folder: one line naming it, not a traceback
+    done = subprocess.run([*tool, str(tmp_path / "run_a"), str(tmp_path / "nope"), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error") and "nope" in line and "Traceback" not in done.stderr
