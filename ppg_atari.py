@@ -8,7 +8,8 @@ One file, read top to bottom:
   4. Networks: Nature CNN, orthogonal init, and the three architectures (dual, detach, shared).
   5. Small pieces: reward normaliser, GAE, the losses, chunked gradients, the pi_old snapshot.
   6. The two phases: policy_phase_update (E_pi, E_V epochs) and auxiliary_phase (E_aux epochs).
-  7. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
+  7. Checkpoints at every phase boundary, --resume, clean stops on SIGTERM/SIGINT.
+  8. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import math
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -52,6 +54,8 @@ class Args:
     """if toggled, save videos of env 0's games 0, 1, 8, 27, 64, ... to `videos/{run_name}`"""
     save_model: bool = False
     """if toggled, save the networks' weights to `runs/{run_name}/{exp_name}.pt` at the end"""
+    resume: Optional[str] = None
+    """continue the run saved in this `runs/{run_name}` folder (or its checkpoint.pt) from its last phase boundary; its training flags are kept, --total-timesteps may be raised"""
 
     # Environment
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -125,6 +129,10 @@ class ArgError(Exception):
     """A bad flag or combination of flags; main() prints it as one line and exits."""
 
 
+class NonFiniteError(Exception):
+    """A loss or gradient became NaN or infinite: the run stops with one line, before the optimizer step."""
+
+
 @dataclass(frozen=True)
 class Plan:
     batch_size: int  # env steps per rollout = num_envs * num_steps
@@ -141,6 +149,9 @@ class Plan:
 def make_plan(args: Args) -> Plan:
     """Check every flag and derive the run's counts. Raises ArgError with a one-line message."""
     check_env_args(args)
+    for field in dataclasses.fields(args):
+        if isinstance(getattr(args, field.name), float) and not math.isfinite(getattr(args, field.name)):
+            raise ArgError(f"--{field.name.replace('_', '-')} must be a finite number (got {getattr(args, field.name)})")
     if args.arch not in ("dual", "detach", "shared"):
         raise ArgError(f"--arch {args.arch!r} is unknown; use dual, detach or shared")
     for flag, value in [("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
@@ -480,6 +491,12 @@ class RewardNormalizer:
         self._update(rets.ravel())
         return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
 
+    def state_dict(self) -> Dict:
+        return dict(ret=torch.from_numpy(self.ret.copy()), mean=float(self.mean), var=float(self.var), count=float(self.count))
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.ret, self.mean, self.var, self.count = state["ret"].numpy().copy(), state["mean"], state["var"], state["count"]
+
     def _update(self, x: np.ndarray) -> None:  # parallel (Chan et al.) update of mean and variance
         n, mean, var = x.size, x.mean(), x.var()
         delta, total = mean - self.mean, self.count + n
@@ -546,6 +563,9 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
         part = slice(start, min(start + chunk, n))
         weight = (part.stop - part.start) / n
         loss, chunk_stats = loss_fn(part)
+        if not torch.isfinite(loss):
+            bad = [k for k, v in chunk_stats.items() if not torch.isfinite(v)]
+            raise NonFiniteError(f"non-finite loss ({', '.join(bad) or 'total'})")
         (loss * weight).backward()
         for k, v in chunk_stats.items():
             stats[k] = stats.get(k, 0.0) + weight * v.detach()
@@ -554,7 +574,9 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
 
 def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float) -> None:
     """Adam step, after clipping the gradient norm of theta_pi and of theta_V separately (if asked),
-    so that one network's gradient never rescales the other's update."""
+    so that one network's gradient never rescales the other's update. A non-finite gradient stops the run."""
+    if not torch.isfinite(sum(p.grad.norm() for p in agent.parameters() if p.grad is not None)):
+        raise NonFiniteError("non-finite gradient")
     if max_grad_norm > 0:
         nn.utils.clip_grad_norm_(agent.policy_parameters(), max_grad_norm)
         nn.utils.clip_grad_norm_(agent.value_parameters(), max_grad_norm)
@@ -660,7 +682,103 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
 
 
 # ======================================================================================
-# 7. main(): the paper's Algorithm 1
+# 7. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals
+# ======================================================================================
+CHECKPOINT_FORMAT = 1
+SCRIPT = os.path.basename(__file__)
+# Flags that --resume takes from the command line: they do not change what is trained.
+RESUMABLE = ("resume", "total_timesteps", "cuda", "track", "wandb_project_name", "wandb_entity", "capture_video",
+             "save_model", "micro_batch_size")
+
+
+def model_file(args: Args, run_name: str, agent: nn.Module) -> Dict:
+    """What --save-model writes, and every checkpoint holds: enough to rebuild and run the policy."""
+    return dict(format=CHECKPOINT_FORMAT, script=SCRIPT, run_name=run_name, args=dataclasses.asdict(args),
+                agent=agent.state_dict())
+
+
+def save_checkpoint(path: str, state: Dict) -> float:
+    """Write atomically: a temporary file, flushed and fsynced, then renamed over the old checkpoint,
+    so a crash mid-write leaves the previous one intact. Returns the seconds it took."""
+    if not all(torch.isfinite(v).all() for v in state["agent"].values()):
+        raise NonFiniteError("non-finite weights (not checkpointed)")
+    t0 = time.time()
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return time.time() - t0
+
+
+def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
+    """A checkpoint (or --save-model file) of this script, or ArgError with one line saying why not.
+    weights_only: the file holds tensors and plain Python values only, and loading runs no code."""
+    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ArgError(f"{flag} {path}: no such file") from None
+    except Exception as e:  # truncated, or not a torch file at all
+        raise ArgError(f"{flag} {path}: not a readable checkpoint, perhaps truncated ({type(e).__name__})") from None
+    script = state.get("script") if isinstance(state, dict) else None
+    if script != SCRIPT:
+        raise ArgError(f"{flag} {path}: written by {script or 'something else'}, not by {SCRIPT}")
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise ArgError(f"{flag} {path}: checkpoint format {state['format']}; this script reads format {CHECKPOINT_FORMAT}")
+    return state
+
+
+def resume_args(args: Args) -> Tuple[Args, Dict]:
+    """The checkpointed run's flags, with those of RESUMABLE that this command line sets. A training
+    flag set here to another value than the checkpoint's is refused (flags left at their defaults
+    are the checkpoint's)."""
+    state, defaults = load_checkpoint(args.resume), Args()
+    saved = state["args"]
+    for name, value in dataclasses.asdict(args).items():
+        if name not in RESUMABLE and value != getattr(defaults, name) and value != saved[name]:
+            raise ArgError(f"--{name.replace('_', '-')} {value} conflicts with the checkpoint's {saved[name]}: a resumed "
+                           f"run keeps its training flags; leave it out")
+    given = {name: getattr(args, name) for name in RESUMABLE if getattr(args, name) != getattr(defaults, name)}
+    if given.get("total_timesteps", saved["total_timesteps"]) < saved["total_timesteps"]:
+        raise ArgError(f"--total-timesteps may only be raised on --resume (the checkpoint's is {saved['total_timesteps']:,})")
+    return dataclasses.replace(Args(**saved), **given), state
+
+
+def rng_state() -> Dict:
+    """Python, numpy, torch (and CUDA) random streams, as tensors and plain values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return dict(python=random.getstate(), numpy=(kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+                torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+
+
+def set_rng_state(state: Dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class StopSignal:
+    """SIGTERM and SIGINT ask the run to stop at the next rollout boundary; the last phase-boundary
+    checkpoint stays, so at most one phase is lost. A second signal stops it at once."""
+
+    def __init__(self):
+        self.signum = 0
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        if self.signum:
+            sys.exit(128 + signum)
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this rollout (send it again to stop now)", flush=True)
+
+
+# ======================================================================================
+# 8. main(): the paper's Algorithm 1
 # ======================================================================================
 def eta_seconds(args: Args, plan: Plan, iterations_done: int, policy_s: float, update_s: float, aux_s: float,
                 aux_phases_done: int) -> float:
@@ -679,14 +797,19 @@ def eta_seconds(args: Args, plan: Plan, iterations_done: int, policy_s: float, u
 def main(args: Args) -> List[Dict[str, float]]:
     """Train; returns each phase's speed figures (tools/benchmark.py reads them)."""
     try:
+        args, ckpt = resume_args(args) if args.resume else (args, None)
         args, device, precision_why = resolve_hardware(args)
         plan = make_plan(args)
         mem_needed, mem_free = check_memory(args, plan, device)
     except ArgError as e:
         sys.exit(f"error: {e}")
 
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    print(f"run {run_name} on {device}: {plan.num_phases} phases x N_pi={args.n_pi} iterations = "
+    run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    # Phases and rollouts done: none, or on --resume the checkpoint's (then the phases still to run
+    # are those the remaining rollouts need, N_pi at a time, as in a fresh plan).
+    phase, iteration = (ckpt["phase"], ckpt["global_step"] // plan.batch_size) if ckpt else (0, 0)
+    num_phases = phase + -(-(plan.num_iterations - iteration) // args.n_pi)
+    print(f"run {run_name} on {device}: {num_phases} phases x N_pi={args.n_pi} iterations = "
           f"{plan.num_iterations} rollouts of {args.num_envs} envs x {args.num_steps} steps = "
           f"{plan.total_env_steps:,} env steps" +
           (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
@@ -707,7 +830,8 @@ def main(args: Args) -> List[Dict[str, float]]:
                    config=vars(args), name=run_name, save_code=True)
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(f"runs/{run_name}")
+    # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step twice.
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=ckpt["global_step"] if ckpt else None)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     random.seed(args.seed)
@@ -715,8 +839,9 @@ def main(args: Args) -> List[Dict[str, float]]:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # ---- Environment: env i is seeded with --seed + i ----
-    envs = AtariVecEnv(args, args.num_envs, args.seed, video_dir=f"videos/{run_name}" if args.capture_video else None)
+    # ---- Environment: env i is seeded with --seed + i (plus 100,003 x the phases done, on --resume) ----
+    envs = AtariVecEnv(args, args.num_envs, args.seed + 100_003 * phase,
+                       video_dir=f"videos/{run_name}" if args.capture_video else None)
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
     # ---- Networks and the two optimizers (each persists across phases) ----
@@ -737,13 +862,28 @@ def main(args: Args) -> List[Dict[str, float]]:
     global_step, aux_epochs_done, start_time, phase_reports = 0, 0, time.time(), []
     spent = dict(policy=0.0, update=0.0, aux=0.0, aux_phases=0)  # totals so far, for the ETA
     recent_returns = deque(maxlen=100)
+    if ckpt:  # --resume: everything the checkpoint holds, then its random streams
+        agent.load_state_dict(ckpt["agent"])
+        policy_optimizer.load_state_dict(ckpt["policy_optimizer"])
+        aux_optimizer.load_state_dict(ckpt["aux_optimizer"])
+        reward_normalizer.load_state_dict(ckpt["reward_normalizer"])
+        global_step, aux_epochs_done, spent = ckpt["global_step"], ckpt["aux_epochs_done"], ckpt["spent"]
+        recent_returns.extend(ckpt["recent_returns"])
+        set_rng_state(ckpt["rng"])
+        print(f"resumed from runs/{run_name}/checkpoint.pt after phase {phase}, step {global_step:,}")
+    stop, start_step = StopSignal(), global_step
+
+    def stop_on_nonfinite(error: NonFiniteError, where: str) -> None:
+        writer.close()
+        sys.exit(f"error: phase {phase}, iteration {iteration}: {error} in the {where}; stopped before the optimizer "
+                 f"step, and the last checkpoint is unchanged")
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    for phase in range(1, plan.num_phases + 1):
-        phase_start, rollout_s, update_s = time.time(), 0.0, 0.0
-        phase_iterations = min(args.n_pi, plan.num_iterations - (phase - 1) * args.n_pi)
+    while iteration < plan.num_iterations:
+        phase, phase_start, rollout_s, update_s = phase + 1, time.time(), 0.0, 0.0
+        phase_iterations = min(args.n_pi, plan.num_iterations - iteration)
         # ============ Policy phase: N_pi iterations of rollout + PPO ============
         for it in range(phase_iterations):
-            iteration = (phase - 1) * args.n_pi + it + 1
+            iteration += 1
             rows = slice((it % plan.aux_slots) * args.num_envs, (it % plan.aux_slots + 1) * args.num_envs)
             rollout_obs = obs_buffer[rows]
 
@@ -777,7 +917,10 @@ def main(args: Args) -> List[Dict[str, float]]:
             batch = dict(obs=rollout_obs.flatten(0, 1), actions=actions.flatten(), logprobs=logprobs.flatten(),
                          advantages=((advantages - advantages.mean()) / (advantages.std() + 1e-8)).flatten(),
                          returns=returns.flatten())
-            stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
+            try:
+                stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
+            except NonFiniteError as e:
+                stop_on_nonfinite(e, "policy update")
             update_s += time.time() - t0
 
             # -- Store V_hat for the auxiliary phase (the observations are already in place) --
@@ -789,21 +932,28 @@ def main(args: Args) -> List[Dict[str, float]]:
                 writer.add_scalar(f"losses/{k}", v, global_step)
             writer.add_scalar("losses/explained_variance", explained_var, global_step)
             writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
-            sps = int(global_step / (time.time() - start_time))
+            sps = int((global_step - start_step) / (time.time() - start_time))
             writer.add_scalar("charts/SPS", sps, global_step)
             eta = eta_seconds(args, plan, iteration, spent["policy"] + rollout_s + update_s, spent["update"] + update_s,
                               spent["aux"], spent["aux_phases"])
             mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-            print(f"phase {phase}/{plan.num_phases} iter {iteration}/{plan.num_iterations} "
+            print(f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations} "
                   f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} "
                   f"return(last {len(recent_returns)}) {mean_return} policy_loss {stats['policy_loss']:.4f} "
                   f"value_loss {stats['value_loss']:.4f}", flush=True)
+            if stop.signum:
+                break
+        if stop.signum:
+            break  # before the aux phase: the run resumes from the last phase boundary
         policy_phase_s = time.time() - phase_start
 
         # ============ Auxiliary phase: snapshot pi_old, E_aux epochs, then the buffer is reused ============
         aux = None
         if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing uses it
-            aux = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
+            try:
+                aux = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
+            except NonFiniteError as e:
+                stop_on_nonfinite(e, "auxiliary phase")
             for epoch_stats in aux["epochs"]:  # x-axis of the aux/ tags: auxiliary epochs run so far
                 aux_epochs_done += 1
                 for k, v in epoch_stats.items():
@@ -813,9 +963,10 @@ def main(args: Args) -> List[Dict[str, float]]:
                 print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
                       f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
 
+        phase_s = time.time() - phase_start
+
         # ---- Per-phase timing, speed and memory: where the time goes, how fast the networks ran
         # (forward+backward states/s), and how far peak memory is from the buffer's size ----
-        phase_s = time.time() - phase_start
         timings = dict(rollout=rollout_s, policy_update=update_s, snapshot=aux["snapshot_s"] if aux else 0.0,
                        aux_epochs=aux["aux_s"] if aux else 0.0)
         for k, v in timings.items():
@@ -830,18 +981,31 @@ def main(args: Args) -> List[Dict[str, float]]:
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss
         writer.add_scalar("charts/peak_memory_GiB", peak / 2**30, global_step)
+        # ---- Checkpoint at the phase boundary, where --resume continues ----
+        checkpoint_s = save_checkpoint(f"runs/{run_name}/checkpoint.pt", dict(
+            model_file(args, run_name, agent), policy_optimizer=policy_optimizer.state_dict(),
+            aux_optimizer=aux_optimizer.state_dict(), reward_normalizer=reward_normalizer.state_dict(), rng=rng_state(),
+            global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns),
+            spent=spent))
         print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
               f"; SPS policy-phase {report['policy_phase_sps']:.0f}, whole-phase {report['whole_phase_sps']:.0f}; "
               f"forward+backward states/s: update {report['update_states_per_s']:.0f}"
               + (f", aux epochs {report['aux_states_per_s']:.0f}" if aux else "") +
               f"; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
-              f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB)", flush=True)
+              f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB); checkpoint written "
+              f"in {checkpoint_s:.1f}s", flush=True)
 
-    if args.save_model:
-        torch.save(agent.state_dict(), f"runs/{run_name}/{args.exp_name}.pt")
-        print(f"model saved to runs/{run_name}/{args.exp_name}.pt")
+
     envs.close()
     writer.close()
+    if stop.signum:
+        saved = os.path.exists(f"runs/{run_name}/checkpoint.pt")
+        print(f"stopped by {signal.Signals(stop.signum).name} at step {global_step:,}; " +
+              (f"resume with: python {SCRIPT} --resume runs/{run_name}" if saved else "no checkpoint had been written yet"))
+        sys.exit(128 + stop.signum)
+    if args.save_model:
+        torch.save(model_file(args, run_name, agent), f"runs/{run_name}/{args.exp_name}.pt")
+        print(f"model saved to runs/{run_name}/{args.exp_name}.pt")
     return phase_reports
 
 
