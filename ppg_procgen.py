@@ -19,7 +19,7 @@ import resource
 import signal
 import sys
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -30,119 +30,67 @@ import torch.nn.functional as F
 import tyro
 
 
-# ======================================================================================
-# 1. Arguments
-# ======================================================================================
+# ==== 1. Arguments ========================================================================================
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (the first part of the run name)"""
-    seed: int = 1
-    """seed of python, numpy and torch, and of the environment's level sequence"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)"""
-    track: bool = False
-    """if toggled, also log to Weights and Biases (needs `pip install wandb`)"""
-    wandb_project_name: str = "ppg"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the entity (team) of the wandb project"""
-    capture_video: bool = False
-    """if toggled, save videos of env 0's episodes 0, 1, 8, 27, 64, ... to `videos/{run_name}`"""
-    save_model: bool = False
-    """if toggled, save the networks' weights to `runs/{run_name}/{exp_name}.pt` at the end"""
-    resume: Optional[str] = None
-    """continue the run saved in this `runs/{run_name}` folder (or its checkpoint.pt) from its last phase boundary; its training flags are kept, --total-timesteps may be raised"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment (the first part of the run name)
+    seed: int = 1  # seed of python, numpy and torch, and of the environment's level sequence
+    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
+    cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
+    save_model: bool = False  # if toggled, save the networks' weights to `runs/{run_name}/{exp_name}.pt` at the end
+    resume: Optional[str] = None  # continue the run of this `runs/{run_name}` folder from its last phase boundary
 
     # Environment
-    env_id: str = "bigfish"
-    """the Procgen game (one of the 16 in PROCGEN_GAMES)"""
-    distribution_mode: str = "easy"
-    """Procgen difficulty: `easy` (Procgen paper, 25M steps) or `hard` (PPG paper, 100M steps)"""
-    num_levels: int = 0
-    """number of training levels; 0 trains on the full level distribution"""
-    start_level: int = 0
-    """the first training level's seed"""
-    num_eval_envs: int = 64
-    """when --num-levels > 0: one episode per env on unseen levels is evaluated after every phase"""
+    env_id: str = "bigfish"  # the Procgen game (one of the 16 in PROCGEN_GAMES)
+    distribution_mode: str = "easy"  # Procgen difficulty: `easy` (Procgen paper, 25M steps) or `hard` (PPG paper, 100M steps)
+    num_levels: int = 0  # number of training levels; 0 trains on the full level distribution
+    start_level: int = 0  # the first training level's seed
+    num_eval_envs: int = 64  # when --num-levels > 0: one episode per env on unseen levels is evaluated after every phase
 
     # Policy phase (PPO)
-    total_timesteps: int = 25_000_000
-    """total env steps to train for (rounded UP to whole rollouts; the exact count is printed)"""
-    learning_rate: float = 5e-4
-    """Adam learning rate of both phases (constant, as in the paper)"""
-    num_envs: int = 64
-    """number of parallel envs"""
-    num_steps: int = 256
-    """steps per env in each rollout"""
-    gamma: float = 0.999
-    """discount factor of GAE and the value targets"""
-    gae_lambda: float = 0.95
-    """lambda of generalised advantage estimation"""
-    norm_reward: bool = True
-    """if toggled, divide rewards by the running std of their discounted return, clipped to +-10"""
-    reward_norm_gamma: float = 0.99
-    """discount of the return whose running std scales the rewards (0.99 in the released code)"""
-    num_minibatches: int = 8
-    """PPO minibatches per epoch in the policy phase"""
-    clip_coef: float = 0.2
-    """PPO clipping coefficient"""
-    ent_coef: float = 0.01
-    """entropy bonus coefficient"""
-    max_grad_norm: float = 0.0
-    """clip the gradient norm of the policy network and of the value network, each, to this (0 = no clipping, as in the paper)"""
+    total_timesteps: int = 25_000_000  # total env steps (rounded UP to whole rollouts; the exact count is printed)
+    learning_rate: float = 5e-4  # Adam learning rate of both phases (constant, as in the paper)
+    num_envs: int = 64  # number of parallel envs
+    num_steps: int = 256  # steps per env in each rollout
+    gamma: float = 0.999  # discount factor of GAE and the value targets
+    gae_lambda: float = 0.95  # lambda of generalised advantage estimation
+    norm_reward: bool = True  # if toggled, divide rewards by the running std of their discounted return, clipped to +-10
+    reward_norm_gamma: float = 0.99  # discount of the return whose running std scales the rewards (0.99 in the released code)
+    num_minibatches: int = 8  # PPO minibatches per epoch in the policy phase
+    clip_coef: float = 0.2  # PPO clipping coefficient
+    ent_coef: float = 0.01  # entropy bonus coefficient
+    max_grad_norm: float = 0.0  # clip the gradient norm of each network to this (0 = no clipping, as in the paper)
 
     # Phasic Policy Gradient
     arch: str = "dual"
     """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
-    n_pi: int = 32
-    """N_pi: policy-phase iterations (rollouts) per phase"""
-    e_pi: int = 1
-    """E_pi: epochs of the PPO policy loss on each rollout"""
-    e_v: int = 1
-    """E_V: epochs of the value loss on each rollout"""
-    e_aux: int = 6
-    """E_aux: auxiliary epochs per phase (0 disables the auxiliary phase)"""
-    beta_clone: float = 1.0
-    """beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss"""
-    aux_mb_trajectories: int = 4
-    """whole --num-steps trajectories per auxiliary minibatch (4 x 256 = 1,024 states)"""
-    aux_kl_stop: float = 0.02
-    """stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)"""
+    n_pi: int = 32  # N_pi: policy-phase iterations (rollouts) per phase
+    e_pi: int = 1  # E_pi: epochs of the PPO policy loss on each rollout
+    e_v: int = 1  # E_V: epochs of the value loss on each rollout
+    e_aux: int = 6  # E_aux: auxiliary epochs per phase (0 disables the auxiliary phase)
+    beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
+    aux_mb_trajectories: int = 4  # whole --num-steps trajectories per auxiliary minibatch (4 x 256 = 1,024 states)
+    aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
     micro_batch_size: Optional[int] = None
     """forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = the whole minibatch at once; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)"""
     precision: str = "auto"
     """`fp32`, `bf16` (autocast of the networks' trunks; weights, optimiser and loss math stay fp32), or `auto`: bf16 where the hardware runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16)"""
 
 
-PROCGEN_GAMES = (
-    "bigfish", "bossfight", "caveflyer", "chaser", "climber", "coinrun", "dodgeball", "fruitbot",
-    "heist", "jumper", "leaper", "maze", "miner", "ninja", "plunder", "starpilot",
-)
-# (R_min, R_max) of the Procgen paper, to report scores normalised as the PPG paper does.
-NORMALISATION = {
-    "easy": {
-        "coinrun": (5, 10), "starpilot": (2.5, 64), "caveflyer": (3.5, 12), "dodgeball": (1.5, 19),
-        "fruitbot": (-1.5, 32.4), "chaser": (0.5, 13), "miner": (1.5, 13), "jumper": (3, 10),
-        "leaper": (3, 10), "maze": (5, 10), "bigfish": (1, 40), "heist": (3.5, 10),
-        "climber": (2, 12.6), "plunder": (4.5, 30), "ninja": (3.5, 10), "bossfight": (0.5, 13),
-    },
-    "hard": {
-        "coinrun": (5, 10), "starpilot": (1.5, 35), "caveflyer": (2, 13.4), "dodgeball": (1.5, 19),
-        "fruitbot": (-0.5, 27.2), "chaser": (0.5, 14.2), "miner": (1.5, 20), "jumper": (1, 10),
-        "leaper": (1.5, 10), "maze": (4, 10), "bigfish": (0, 40), "heist": (2, 10),
-        "climber": (1, 12.6), "plunder": (3, 30), "ninja": (2, 10), "bossfight": (0.5, 13),
-    },
+NORMALISATION = {  # (R_min, R_max) of the Procgen paper, to report scores normalised as the PPG paper does
+    "easy": dict(coinrun=(5, 10), starpilot=(2.5, 64), caveflyer=(3.5, 12), dodgeball=(1.5, 19), fruitbot=(-1.5, 32.4),
+                 chaser=(0.5, 13), miner=(1.5, 13), jumper=(3, 10), leaper=(3, 10), maze=(5, 10), bigfish=(1, 40),
+                 heist=(3.5, 10), climber=(2, 12.6), plunder=(4.5, 30), ninja=(3.5, 10), bossfight=(0.5, 13)),
+    "hard": dict(coinrun=(5, 10), starpilot=(1.5, 35), caveflyer=(2, 13.4), dodgeball=(1.5, 19), fruitbot=(-0.5, 27.2),
+                 chaser=(0.5, 14.2), miner=(1.5, 20), jumper=(1, 10), leaper=(1.5, 10), maze=(4, 10), bigfish=(0, 40),
+                 heist=(2, 10), climber=(1, 12.6), plunder=(3, 30), ninja=(2, 10), bossfight=(0.5, 13)),
 }
+PROCGEN_GAMES = tuple(sorted(NORMALISATION["easy"]))  # the 16 games
 OBS_SHAPE = (64, 64, 3)  # HWC uint8, as Procgen emits it
 NUM_ACTIONS = 15  # every Procgen game uses the same 15-action set
 
 
-# ======================================================================================
-# 2. Plan: validate the flags and derive every count once
-# ======================================================================================
+# ==== 2. Plan: validate the flags and derive every count once =============================================
 class ArgError(Exception):
     """A bad flag or combination of flags; main() prints it as one line and exits."""
 
@@ -167,38 +115,24 @@ class Plan:
 def make_plan(args: Args) -> Plan:
     """Check every flag and derive the run's counts. Raises ArgError with a one-line message."""
     check_env_args(args)
-    for field in dataclasses.fields(args):
-        if isinstance(getattr(args, field.name), float) and not math.isfinite(getattr(args, field.name)):
-            raise ArgError(f"--{field.name.replace('_', '-')} must be a finite number (got {getattr(args, field.name)})")
+    for name, value in dataclasses.asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArgError(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     if args.arch not in ("dual", "detach", "shared"):
         raise ArgError(f"--arch {args.arch!r} is unknown; use dual, detach or shared")
-    for flag, value in [("--num-envs", args.num_envs), ("--num-steps", args.num_steps),
-                        ("--num-minibatches", args.num_minibatches), ("--n-pi", args.n_pi),
-                        ("--e-pi", args.e_pi), ("--e-v", args.e_v), ("--total-timesteps", args.total_timesteps),
-                        ("--aux-mb-trajectories", args.aux_mb_trajectories)]:
-        if value < 1:
-            raise ArgError(f"{flag} must be at least 1 (got {value})")
-    for flag, value in [("--e-aux", args.e_aux), ("--micro-batch-size", args.micro_batch_size or 0), ("--beta-clone", args.beta_clone),
-                        ("--ent-coef", args.ent_coef), ("--aux-kl-stop", args.aux_kl_stop),
-                        ("--max-grad-norm", args.max_grad_norm)]:
-        if value < 0:
-            raise ArgError(f"{flag} must be >= 0 (got {value})")
-    for flag, value in [("--learning-rate", args.learning_rate), ("--clip-coef", args.clip_coef)]:
-        if not value > 0:
-            raise ArgError(f"{flag} must be > 0 (got {value})")
-    for flag, value in [("--gamma", args.gamma), ("--gae-lambda", args.gae_lambda),
-                        ("--reward-norm-gamma", args.reward_norm_gamma)]:
-        if not 0 <= value <= 1:
-            raise ArgError(f"{flag} must lie in [0, 1] (got {value})")
+    for rule, ok, names in [
+            ("be at least 1", lambda v: v >= 1, "num_envs num_steps num_minibatches n_pi e_pi e_v total_timesteps aux_mb_trajectories"),
+            ("be >= 0", lambda v: v >= 0, "e_aux micro_batch_size beta_clone ent_coef aux_kl_stop max_grad_norm"),
+            ("be > 0", lambda v: v > 0, "learning_rate clip_coef"),
+            ("lie in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda reward_norm_gamma")]:
+        for name in names.split():
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                raise ArgError(f"--{name.replace('_', '-')} must {rule} (got {value})")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         raise ArgError(f"--num-minibatches {args.num_minibatches} does not divide the rollout of "
                        f"--num-envs x --num-steps = {batch_size} states; pick a divisor of {batch_size}")
-    if args.track:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ArgError("--track needs wandb: pip install wandb") from None
 
     num_iterations = -(-args.total_timesteps // batch_size)  # round UP: never train less than asked
     num_aux_phases = (num_iterations - 1) // args.n_pi if args.e_aux > 0 else 0
@@ -207,17 +141,11 @@ def make_plan(args: Args) -> Plan:
     if num_aux_phases > 0 and trajectories % args.aux_mb_trajectories:
         raise ArgError(f"--aux-mb-trajectories {args.aux_mb_trajectories} does not divide the "
                        f"{trajectories} trajectories of an auxiliary phase (--n-pi x --num-envs)")
-    return Plan(
-        batch_size=batch_size,
-        minibatch_size=batch_size // args.num_minibatches,
-        num_iterations=num_iterations,
-        num_phases=-(-num_iterations // args.n_pi),
-        num_aux_phases=num_aux_phases,
-        total_env_steps=num_iterations * batch_size,
-        aux_slots=aux_slots,
-        aux_minibatches=trajectories // args.aux_mb_trajectories,
-        buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE),
-    )
+    return Plan(batch_size=batch_size, minibatch_size=batch_size // args.num_minibatches, num_iterations=num_iterations,
+                num_phases=-(-num_iterations // args.n_pi), num_aux_phases=num_aux_phases,
+                total_env_steps=num_iterations * batch_size, aux_slots=aux_slots,
+                aux_minibatches=trajectories // args.aux_mb_trajectories,
+                buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE))
 
 
 # Peak bytes of autograd activations per state and per IMPALA trunk for one forward+backward:
@@ -237,13 +165,11 @@ def bf16_is_native(device: torch.device) -> Tuple[bool, str]:
     return False, "the CPU has neither AMX nor AVX512-BF16"
 
 
-# The chunk that ran fastest on a CPU (tools/benchmark.py; README). A GPU takes whole minibatches.
-CPU_MICRO_BATCH = 256
+CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py; README); a GPU takes whole minibatches
 
 
 def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
-    """Pick the device, the precision and the chunk size. Returns args with `precision` and
-    `micro_batch_size` made concrete, the device, and why that precision was chosen."""
+    """Args with `precision` and `micro_batch_size` made concrete for this device; the device; why that precision."""
     if args.precision not in ("auto", "fp32", "bf16"):
         raise ArgError(f"--precision {args.precision!r} is unknown; use auto, fp32 or bf16")
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
@@ -269,10 +195,8 @@ def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int
         where = "GPU memory"
     else:
         try:
-            with open("/proc/meminfo") as f:
-                meminfo = dict(line.split(":", 1) for line in f)
-            free = int(meminfo["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
+            free = int(next(line for line in open("/proc/meminfo") if line.startswith("MemAvailable")).split()[1]) * 1024
+        except (OSError, StopIteration):
             return needed, -1  # no /proc (not Linux): cannot tell, so do not guess
         where = "RAM"
     if needed > free:
@@ -282,19 +206,16 @@ def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int
     return needed, free
 
 
-# ======================================================================================
-# 3. Environment
-# ======================================================================================
+# ==== 3. Environment ======================================================================================
 def check_env_args(args: Args) -> None:
     if args.env_id not in PROCGEN_GAMES:
         raise ArgError(f"--env-id {args.env_id!r} is not a Procgen game; use one of: {', '.join(PROCGEN_GAMES)}")
     if args.distribution_mode not in NORMALISATION:
         raise ArgError(f"--distribution-mode {args.distribution_mode!r} is unknown; use easy or hard")
-    for flag, value in [("--num-levels", args.num_levels), ("--start-level", args.start_level)]:
-        if value < 0:
-            raise ArgError(f"{flag} must be >= 0 (got {value})")
-    if args.num_eval_envs < 1:
-        raise ArgError(f"--num-eval-envs must be at least 1 (got {args.num_eval_envs})")
+    for flag, value, least in [("--num-levels", args.num_levels, 0), ("--start-level", args.start_level, 0),
+                               ("--num-eval-envs", args.num_eval_envs, 1)]:
+        if value < least:
+            raise ArgError(f"{flag} must be at least {least} (got {value})")
 
 
 class ProcgenVecEnv:
@@ -302,8 +223,7 @@ class ProcgenVecEnv:
     and the (env, return, length) of every episode that finished. Procgen resets an env inside
     the step that ends its episode: the frame returned with done=True already starts the next one."""
 
-    def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int,
-                 video_dir: Optional[str] = None):
+    def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int):
         try:  # gym 0.26 (procgen's dependency) prints a 4-line "unmaintained" notice from this table at import
             import gym_notices.notices
 
@@ -317,12 +237,9 @@ class ProcgenVecEnv:
         self.num_envs, self.num_actions = num_envs, self.env.action_space.n
         self.returns = np.zeros(num_envs, dtype=np.float64)
         self.lengths = np.zeros(num_envs, dtype=np.int64)
-        self.video_dir, self.frames, self.episodes_of_env0 = video_dir, [], 0
 
     def reset(self) -> np.ndarray:
         obs = self.env.reset()["rgb"]
-        if self.video_dir:
-            self.frames = [obs[0]]
         return obs
 
     def step(self, actions: np.ndarray):
@@ -333,33 +250,13 @@ class ProcgenVecEnv:
         finished = [(i, float(self.returns[i]), int(self.lengths[i])) for i in np.flatnonzero(dones)]
         self.returns[dones] = 0.0
         self.lengths[dones] = 0
-        if self.video_dir:
-            self._record(obs, bool(dones[0]))
         return obs, rewards, dones, finished
-
-    def _record(self, obs: np.ndarray, done0: bool) -> None:
-        if done0:  # save episodes 0, 1, 8, 27, 64, ... of env 0 (cubes, like gymnasium's RecordVideo)
-            k = self.episodes_of_env0
-            if round(k ** (1 / 3)) ** 3 == k:
-                import imageio_ffmpeg  # installed with gym3; imageio's own writer needs a newer one
-
-                os.makedirs(self.video_dir, exist_ok=True)
-                h, w = self.frames[0].shape[:2]
-                writer = imageio_ffmpeg.write_frames(os.path.join(self.video_dir, f"episode-{k}.mp4"), (w, h), fps=15)
-                writer.send(None)  # start the ffmpeg process
-                for frame in self.frames:
-                    writer.send(np.ascontiguousarray(frame))
-                writer.close()
-            self.episodes_of_env0, self.frames = k + 1, []
-        self.frames.append(obs[0])
 
     def close(self) -> None:
         self.env.close()
 
 
-# ======================================================================================
-# 4. Networks: IMPALA CNN with the released code's "normed" initialisation
-# ======================================================================================
+# ==== 4. Networks: IMPALA CNN with the released code's "normed" initialisation ============================
 def normed_init_(layer: nn.Module, scale: float) -> nn.Module:
     """Rescale each output unit's weight vector to L2 norm `scale`; zero the bias."""
     with torch.no_grad():
@@ -406,10 +303,6 @@ class ImpalaEncoder(nn.Module):
         return F.relu(self.dense(F.relu(x.flatten(1))))
 
 
-def make_trunk(obs_shape: Tuple[int, ...]) -> nn.Module:
-    return ImpalaEncoder(obs_shape)
-
-
 def init_head_(layer: nn.Linear, role: str) -> nn.Linear:
     """Policy and value heads alike: normed, scale 0.1 (the released code)."""
     return normed_init_(layer, 0.1)
@@ -424,11 +317,11 @@ class PPGAgent(nn.Module):
     def __init__(self, arch: str, obs_shape: Tuple[int, ...], num_actions: int, bf16: bool = False):
         super().__init__()
         self.arch, self.bf16 = arch, bf16
-        self.pi_trunk = make_trunk(obs_shape)
+        self.pi_trunk = ImpalaEncoder(obs_shape)
         width = self.pi_trunk.out_features
         self.pi_head = init_head_(nn.Linear(width, num_actions), "policy")
         self.aux_value_head = init_head_(nn.Linear(width, 1), "value")
-        self.v_trunk = make_trunk(obs_shape) if arch == "dual" else None
+        self.v_trunk = ImpalaEncoder(obs_shape) if arch == "dual" else None
         self.value_head = init_head_(nn.Linear(width, 1), "value")
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
@@ -462,9 +355,7 @@ class PPGAgent(nn.Module):
         return [*trunk, *self.value_head.parameters()]
 
 
-# ======================================================================================
-# 5. Small pieces, each a plain function or class the tests call directly
-# ======================================================================================
+# ==== 5. Small pieces, each a plain function or class the tests call directly =============================
 class RewardNormalizer:
     """Divide rewards by the running std of each env's discounted return (no mean subtraction),
     then clip: the released code's scheme, which keeps value targets near unit scale. As there, it
@@ -591,18 +482,14 @@ def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> to
     return out.view(*obs_buffer.shape[:2], -1)
 
 
-# ======================================================================================
-# 6. The two phases
-# ======================================================================================
+# ==== 6. The two phases ===================================================================================
 def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
                         args: Args, plan: Plan) -> Dict[str, float]:
     """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout.
     Both losses of an epoch share each minibatch's backward pass, as in the released code; for dual
     and detach the two losses touch disjoint parameters, so this equals two separate loops.
     The auxiliary value head gets no gradient here. Returns means over all minibatches."""
-    n = batch["obs"].shape[0]
-    sums: Dict[str, torch.Tensor] = {}
-    counts: Dict[str, int] = {}
+    n, logs = batch["obs"].shape[0], defaultdict(list)
     for epoch in range(max(args.e_pi, args.e_v)):
         train_pi, train_v = epoch < args.e_pi, epoch < args.e_v
         for idx in torch.randperm(n, device=batch["obs"].device).split(plan.minibatch_size):
@@ -626,9 +513,8 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
             stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
             optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
-                counts[k] = counts.get(k, 0) + 1
-    return {k: float(sums[k]) / counts[k] for k in sums}
+                logs[k].append(v)
+    return {k: float(torch.stack(v).mean()) for k, v in logs.items()}
 
 
 def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffer: torch.Tensor,
@@ -647,7 +533,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
 
     epochs, stopped_early = [], False
     for epoch in range(args.e_aux):
-        sums: Dict[str, torch.Tensor] = {}
+        logs = defaultdict(list)
         minibatches = torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories)
         for traj in minibatches:
             # Whole trajectories: each one is a contiguous row block of the buffer.
@@ -659,15 +545,14 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
                 logits, values, aux_values = agent(obs[part])
                 joint, l_aux, l_clone = aux_joint_loss(aux_values, targets[part], old[part], logits, args.beta_clone)
                 l_value = value_loss(values, targets[part])
-                return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint,
-                                             value_loss=l_value)
+                return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
             optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
             optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
-        epochs.append({k: float(v) / len(minibatches) for k, v in sums.items()})
+                logs[k].append(v)
+        epochs.append({k: float(torch.stack(v).mean()) for k, v in logs.items()})
         if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop and epoch < args.e_aux - 1:
             stopped_early = True  # only when an epoch is actually skipped
             break
@@ -676,14 +561,11 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
                 aux_s=time.perf_counter() - t0 - snapshot_s)
 
 
-# ======================================================================================
-# 7. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals
-# ======================================================================================
+# ==== 7. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals ================
 CHECKPOINT_FORMAT = 1
 SCRIPT = os.path.basename(__file__)
 # Flags that --resume takes from the command line: they do not change what is trained.
-RESUMABLE = ("resume", "total_timesteps", "cuda", "track", "wandb_project_name", "wandb_entity", "capture_video",
-             "save_model", "micro_batch_size")
+RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_size")
 
 
 def model_file(args: Args, run_name: str, agent: nn.Module) -> Dict:
@@ -719,8 +601,8 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
     script = state.get("script") if isinstance(state, dict) else None
     if script != SCRIPT:
         raise ArgError(f"{flag} {path}: written by {script or 'something else'}, not by {SCRIPT}")
-    if state["format"] != CHECKPOINT_FORMAT:
-        raise ArgError(f"{flag} {path}: checkpoint format {state['format']}; this script reads format {CHECKPOINT_FORMAT}")
+    if state.get("format") != CHECKPOINT_FORMAT or not {"run_name", "args", "agent"} <= state.keys():
+        raise ArgError(f"{flag} {path}: checkpoint format {state.get('format')}; this script reads format {CHECKPOINT_FORMAT}")
     return state
 
 
@@ -749,8 +631,7 @@ def rng_state() -> Dict:
 
 def set_rng_state(state: Dict) -> None:
     random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    np.random.set_state((state["numpy"][0], state["numpy"][1].numpy().astype(np.uint32), *state["numpy"][2:]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -762,19 +643,16 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self.handle)
+        signal.signal(signal.SIGTERM, self), signal.signal(signal.SIGINT, self)
 
-    def handle(self, signum, frame) -> None:
+    def __call__(self, signum, frame) -> None:
         if self.signum:
             sys.exit(128 + signum)
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: stopping after this rollout (send it again to stop now)", flush=True)
 
 
-# ======================================================================================
-# 8. Evaluation on unseen levels, and main(): the paper's Algorithm 1
-# ======================================================================================
+# ==== 8. Evaluation on unseen levels, and main(): the paper's Algorithm 1 =================================
 def normalised_score(args: Args, episode_return: float) -> float:
     r_min, r_max = NORMALISATION[args.distribution_mode][args.env_id]
     return (episode_return - r_min) / (r_max - r_min)
@@ -796,18 +674,17 @@ def evaluate(agent: PPGAgent, args: Args, device: torch.device) -> List[float]:
     return list(returns.values())
 
 
-def eta_seconds(args: Args, plan: Plan, iterations_done: int, policy_s: float, update_s: float, aux_s: float,
-                aux_phases_done: int) -> float:
+def eta_seconds(args: Args, plan: Plan, iterations_done: int, spent: Dict[str, float]) -> float:
     """Time left: the remaining rollouts and aux phases at their measured costs. Until an aux phase
     has run, its cost is the policy update's per state and epoch (an aux epoch does the same
     forward+backward per state) times E_aux + 1/3 (the snapshot's forward pass) epochs."""
-    if aux_phases_done:
-        per_aux = aux_s / aux_phases_done
+    if spent["aux_phases"]:
+        per_aux = (spent["snapshot"] + spent["aux_epochs"]) / spent["aux_phases"]
     else:
-        per_state_epoch = update_s / (iterations_done * plan.batch_size * max(args.e_pi, args.e_v))
+        per_state_epoch = spent["policy_update"] / (iterations_done * plan.batch_size * max(args.e_pi, args.e_v))
         per_aux = per_state_epoch * plan.aux_slots * plan.batch_size * (args.e_aux + 1 / 3)
-    return ((plan.num_iterations - iterations_done) * policy_s / iterations_done
-            + (plan.num_aux_phases - aux_phases_done) * per_aux)
+    per_iteration = (spent["rollout"] + spent["policy_update"]) / iterations_done
+    return (plan.num_iterations - iterations_done) * per_iteration + (plan.num_aux_phases - spent["aux_phases"]) * per_aux
 
 
 def main(args: Args) -> List[Dict[str, float]]:
@@ -832,22 +709,15 @@ def main(args: Args) -> List[Dict[str, float]]:
            if plan.total_env_steps != args.total_timesteps else ""))
     aux_plan = (f"{plan.num_aux_phases} auxiliary phases of {plan.aux_minibatches} minibatches x "
                 f"{args.aux_mb_trajectories * args.num_steps} states" if plan.num_aux_phases else "no auxiliary phase")
-    print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
-          f"{aux_plan}; PPO minibatch {plan.minibatch_size} states; "
-          f"observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; estimated need "
-          f"{mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
-    print(f"precision {args.precision} ({precision_why}); forward/backward in chunks of "
-          f"{args.micro_batch_size or 'whole minibatches of'} states")
+    print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; {aux_plan}; "
+          f"PPO minibatch {plan.minibatch_size} states; observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; "
+          f"estimated need {mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
+    print(f"precision {args.precision} ({precision_why}); forward/backward in chunks of {args.micro_batch_size or 'whole minibatches of'} states")
 
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                   config=vars(args), name=run_name, save_code=True)
     from torch.utils.tensorboard import SummaryWriter
 
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step twice.
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=ckpt["global_step"] if ckpt else None)
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=ckpt["global_step"] + 1 if ckpt else None)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     random.seed(args.seed)
@@ -857,8 +727,7 @@ def main(args: Args) -> List[Dict[str, float]]:
 
     # ---- Environment: training levels [start_level, start_level + num_levels), seeded by --seed
     # (and, on --resume, by the phases done: a resumed run is reproducible too) ----
-    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, args.seed + 100_003 * phase,
-                         video_dir=f"videos/{run_name}" if args.capture_video else None)
+    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, args.seed + 100_003 * phase)
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
     # ---- Networks and the two optimizers (each persists across phases) ----
@@ -877,13 +746,13 @@ def main(args: Args) -> List[Dict[str, float]]:
     ended = torch.zeros(shape, dtype=torch.bool, device=device)
 
     global_step, aux_epochs_done, start_time, phase_reports = 0, 0, time.time(), []
-    spent = dict(policy=0.0, update=0.0, aux=0.0, aux_phases=0)  # totals so far, for the ETA
+    spent = dict(rollout=0.0, policy_update=0.0, snapshot=0.0, aux_epochs=0.0, aux_phases=0)  # seconds so far
     recent_returns = deque(maxlen=100)
+    # Everything a checkpoint holds with a state_dict: saved at each phase boundary, restored on --resume.
+    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer, reward_normalizer=reward_normalizer)
     if ckpt:  # --resume: everything the checkpoint holds, then its random streams
-        agent.load_state_dict(ckpt["agent"])
-        policy_optimizer.load_state_dict(ckpt["policy_optimizer"])
-        aux_optimizer.load_state_dict(ckpt["aux_optimizer"])
-        reward_normalizer.load_state_dict(ckpt["reward_normalizer"])
+        for name, thing in stateful.items():
+            thing.load_state_dict(ckpt[name])
         global_step, aux_epochs_done, spent = ckpt["global_step"], ckpt["aux_epochs_done"], ckpt["spent"]
         recent_returns.extend(ckpt["recent_returns"])
         set_rng_state(ckpt["rng"])
@@ -894,9 +763,10 @@ def main(args: Args) -> List[Dict[str, float]]:
         writer.close()
         sys.exit(f"error: phase {phase}, iteration {iteration}: {error} in the {where}; stopped before the optimizer "
                  f"step, and the last checkpoint is unchanged")
+
     next_obs = torch.from_numpy(envs.reset()).to(device)
     while iteration < plan.num_iterations:
-        phase, phase_start, rollout_s, update_s = phase + 1, time.time(), 0.0, 0.0
+        phase, phase_start, spent_before = phase + 1, time.time(), dict(spent)
         phase_iterations = min(args.n_pi, plan.num_iterations - iteration)
         # ============ Policy phase: N_pi iterations of rollout + PPO ============
         for it in range(phase_iterations):
@@ -928,7 +798,7 @@ def main(args: Args) -> List[Dict[str, float]]:
                 # -- GAE with the value network's predictions; V_hat = V + A --
                 advantages, returns = compute_gae(rewards, values, ended, agent(next_obs)[1],
                                                   args.gamma, args.gae_lambda)
-            rollout_s += time.time() - t0
+            spent["rollout"] += time.time() - t0
 
             # -- E_pi epochs of PPO on the policy, E_V epochs of value loss (advantages normalised once) --
             t0 = time.time()
@@ -939,7 +809,7 @@ def main(args: Args) -> List[Dict[str, float]]:
                 stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
             except NonFiniteError as e:
                 stop_on_nonfinite(e, "policy update")
-            update_s += time.time() - t0
+            spent["policy_update"] += time.time() - t0
 
             # -- Store V_hat for the auxiliary phase (the observations are already in place) --
             returns_buffer[rows] = returns
@@ -952,8 +822,7 @@ def main(args: Args) -> List[Dict[str, float]]:
             writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
             sps = int((global_step - start_step) / (time.time() - start_time))
             writer.add_scalar("charts/SPS", sps, global_step)
-            eta = eta_seconds(args, plan, iteration, spent["policy"] + rollout_s + update_s, spent["update"] + update_s,
-                              spent["aux"], spent["aux_phases"])
+            eta = eta_seconds(args, plan, iteration, spent)
             mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
             print(f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations} "
                   f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} "
@@ -963,7 +832,6 @@ def main(args: Args) -> List[Dict[str, float]]:
                 break
         if stop.signum:
             break  # before the aux phase: the run resumes from the last phase boundary
-        policy_phase_s = time.time() - phase_start
 
         # ============ Auxiliary phase: snapshot pi_old, E_aux epochs, then the buffer is reused ============
         aux = None
@@ -980,6 +848,8 @@ def main(args: Args) -> List[Dict[str, float]]:
             if aux["stopped_early"]:
                 print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
                       f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
+            spent.update(snapshot=spent["snapshot"] + aux["snapshot_s"], aux_epochs=spent["aux_epochs"] + aux["aux_s"],
+                         aux_phases=spent["aux_phases"] + 1)
 
         phase_s = time.time() - phase_start
         # ---- Generalisation: the current policy on unseen levels, once per phase ----
@@ -989,36 +859,28 @@ def main(args: Args) -> List[Dict[str, float]]:
             writer.add_scalar("eval/normalized_return", np.mean([normalised_score(args, r) for r in eval_returns]), global_step)
             print(f"phase {phase}: unseen-level return {np.mean(eval_returns):.2f} over {len(eval_returns)} episodes", flush=True)
 
-        # ---- Per-phase timing, speed and memory: where the time goes, how fast the networks ran
-        # (forward+backward states/s), and how far peak memory is from the buffer's size ----
-        timings = dict(rollout=rollout_s, policy_update=update_s, snapshot=aux["snapshot_s"] if aux else 0.0,
-                       aux_epochs=aux["aux_s"] if aux else 0.0)
+        # ---- Per-phase report: where the time went, the forward+backward states/s the networks ran at,
+        # peak memory against the buffer's size; then the checkpoint, where --resume continues ----
+        timings = {k: spent[k] - spent_before[k] for k in ("rollout", "policy_update", "snapshot", "aux_epochs")}
         for k, v in timings.items():
             writer.add_scalar(f"timing/{k}_s", v, global_step)
-        spent.update(policy=spent["policy"] + rollout_s + update_s, update=spent["update"] + update_s,
-                     aux=spent["aux"] + timings["snapshot"] + timings["aux_epochs"], aux_phases=spent["aux_phases"] + bool(aux))
         steps = phase_iterations * plan.batch_size
-        report = dict(policy_phase_sps=steps / policy_phase_s, whole_phase_sps=steps / phase_s,
-                      update_states_per_s=steps * max(args.e_pi, args.e_v) / update_s,
-                      aux_states_per_s=len(aux["epochs"]) * obs_buffer.shape[0] * args.num_steps / aux["aux_s"] if aux else 0.0)
+        report = dict(whole_phase_sps=steps / phase_s, policy_phase_sps=steps / (timings["rollout"] + timings["policy_update"]),
+                      update_states_per_s=steps * max(args.e_pi, args.e_v) / timings["policy_update"],
+                      aux_states_per_s=len(aux["epochs"]) * obs_buffer.shape[:2].numel() / aux["aux_s"] if aux else 0.0)
         phase_reports.append(report)
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss
+        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
         writer.add_scalar("charts/peak_memory_GiB", peak / 2**30, global_step)
-        # ---- Checkpoint at the phase boundary, where --resume continues ----
         checkpoint_s = save_checkpoint(f"runs/{run_name}/checkpoint.pt", dict(
-            model_file(args, run_name, agent), policy_optimizer=policy_optimizer.state_dict(),
-            aux_optimizer=aux_optimizer.state_dict(), reward_normalizer=reward_normalizer.state_dict(), rng=rng_state(),
-            global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns),
-            spent=spent))
+            model_file(args, run_name, agent), **{name: thing.state_dict() for name, thing in stateful.items()}, rng=rng_state(),
+            global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns), spent=spent))
         print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
-              f"; SPS policy-phase {report['policy_phase_sps']:.0f}, whole-phase {report['whole_phase_sps']:.0f}; "
-              f"forward+backward states/s: update {report['update_states_per_s']:.0f}"
-              + (f", aux epochs {report['aux_states_per_s']:.0f}" if aux else "") +
-              f"; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
-              f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB); checkpoint written "
-              f"in {checkpoint_s:.1f}s", flush=True)
-
+              f"; SPS whole-phase {report['whole_phase_sps']:.0f}, policy-phase {report['policy_phase_sps']:.0f}; "
+              f"forward+backward states/s: update {report['update_states_per_s']:.0f}" +
+              (f", aux epochs {report['aux_states_per_s']:.0f}" if aux else "") + f"; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
+              f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB); checkpoint {checkpoint_s:.1f}s",
+              flush=True)
 
     envs.close()
     writer.close()

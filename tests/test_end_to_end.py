@@ -14,7 +14,7 @@ EXPECTED_TAGS = [
 ]
 EXTRA_FLAGS = {  # each arch's run also exercises one optional feature
     "dual": ["--num-levels", "10", "--num-eval-envs", "2"],
-    "detach": ["--capture-video"],
+    "detach": ["--e-v", "2"],  # E_V > E_pi: a second, value-only epoch
     "shared": ["--save-model", "--max-grad-norm", "0.5"],
 }
 
@@ -50,8 +50,6 @@ def test_tiny_run(name, arch, precision, tmp_path):
     assert abs(scalars["aux/clone_kl"][0]) <= tolerance
     if arch == "dual" and name == "ppg_procgen.py":
         assert len(scalars["eval/episodic_return"]) == 2  # once per phase
-    if arch == "detach":
-        assert list(tmp_path.glob("videos/*/episode-0.mp4"))
     if arch == "shared":
         assert list(tmp_path.glob("runs/*/*.pt"))
 

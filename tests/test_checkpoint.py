@@ -1,0 +1,176 @@
+"""Runs that survive: checkpoints round-trip bitwise, a killed run resumes to exactly its planned
+step count, SIGTERM stops cleanly, a NaN stops the run before it spoils a checkpoint, and bad input
+(truncated or foreign checkpoints, conflicting or non-finite flags) gets one line."""
+
+import dataclasses
+import math
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import tyro
+
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, load_script, random_batch, read_scalars, run_script
+
+# 10 rollouts of 64 steps in 5 phases of N_pi = 2: long enough to be stopped between checkpoints.
+LONG = ["--total-timesteps", "640"]
+
+
+def start(name, cwd, *flags):
+    return subprocess.Popen([sys.executable, str(ROOT / name), *TINY_FLAGS[name], *LONG, *flags], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_checkpoint(proc, cwd, timeout=120) -> pathlib.Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = list(pathlib.Path(cwd).glob("runs/*/checkpoint.pt"))
+        if found:
+            return found[0]
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint appeared")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path):
+    proc = start(name, tmp_path)
+    checkpoint = wait_for_checkpoint(proc, tmp_path)
+    proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    done = run_script(name, "--resume", str(checkpoint.parent), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    state = load_script(name).load_checkpoint(str(checkpoint))
+    assert state["global_step"] == 640 and state["phase"] == 5
+    # the stopped run's steps after its checkpoint are purged: each rollout is logged exactly once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(checkpoint.parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("losses/policy_loss")] == list(range(64, 641, 64))
+    assert len(list(checkpoint.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_sigterm_stops_at_a_rollout_boundary_with_the_resume_command(name, tmp_path):
+    proc = start(name, tmp_path)
+    checkpoint = wait_for_checkpoint(proc, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err
+    assert f"resume with: python {name} --resume runs/{checkpoint.parent.name}" in out
+    state = load_script(name).load_checkpoint(str(checkpoint))
+    assert 1 <= state["phase"] < 5 and state["global_step"] < 640
+
+
+def test_checkpoint_round_trip_is_bitwise(script, tmp_path):
+    args = script.Args(num_envs=2, num_steps=8, num_minibatches=2, micro_batch_size=0)
+    torch.manual_seed(0)
+    agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+    opts = [torch.optim.Adam(agent.parameters(), lr=1e-3) for _ in range(2)]
+    script.policy_phase_update(agent, opts[0], random_batch(script, 16, 6), args, script.make_plan(args))
+    normalizer = script.RewardNormalizer(2, 0.99)
+    normalizer(np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32), np.zeros((2, 8), dtype=bool))
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    path = str(tmp_path / "checkpoint.pt")
+    script.save_checkpoint(path, dict(script.model_file(args, "run", agent), policy_optimizer=opts[0].state_dict(),
+                                      aux_optimizer=opts[1].state_dict(), reward_normalizer=normalizer.state_dict(),
+                                      rng=script.rng_state()))
+    draws = (random.random(), np.random.rand(), torch.rand(3))
+    state = script.load_checkpoint(path)
+    assert script.Args(**state["args"]) == args
+    restored = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+    restored.load_state_dict(state["agent"])
+    assert all(torch.equal(a, b) for a, b in zip(agent.state_dict().values(), restored.state_dict().values()))
+    opt = torch.optim.Adam(restored.parameters(), lr=1e-3)
+    opt.load_state_dict(state["policy_optimizer"])
+    for a, b in zip(opts[0].state.values(), opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    other = script.RewardNormalizer(2, 0.99)
+    other.load_state_dict(state["reward_normalizer"])
+    assert np.array_equal(other.ret, normalizer.ret) and (other.mean, other.var, other.count) == (
+        normalizer.mean, normalizer.var, normalizer.count)
+    script.set_rng_state(state["rng"])
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert draws[0] == again[0] and draws[1] == again[1] and torch.equal(draws[2], again[2])
+
+
+def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path):
+    procgen, atari = load_script("ppg_procgen.py"), load_script("ppg_atari.py")
+    torch.manual_seed(0)
+    path = tmp_path / "checkpoint.pt"
+    args = procgen.Args(num_envs=4)
+    procgen.save_checkpoint(str(path), procgen.model_file(args, "run", procgen.PPGAgent("dual", procgen.OBS_SHAPE, 15)))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    cases = [(["--resume", str(truncated)], "not a readable checkpoint"),
+             (["--resume", str(tmp_path / "missing.pt")], "no such file"),
+             (["--resume", str(path), "--num-envs", "8"], "--num-envs 8 conflicts with the checkpoint's 4"),
+             (["--resume", str(path), "--arch", "detach"], "--arch detach conflicts"),
+             (["--resume", str(path), "--total-timesteps", "1000"], "--total-timesteps may only be raised")]
+    for flags, needle in cases:
+        proc = run_script("ppg_procgen.py", *flags, cwd=tmp_path, timeout=60)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode != 0 and len(errors) == 1 and needle in errors[0], (flags, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+    with pytest.raises(atari.ArgError, match="written by ppg_procgen.py, not by ppg_atari.py"):
+        atari.load_checkpoint(str(path))
+    old = dict(torch.load(path, weights_only=True), format=0)
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(procgen.ArgError, match="format 0"):
+        procgen.load_checkpoint(str(tmp_path / "old.pt"))
+    # flags that do not change what is trained may be given
+    resumed, _ = procgen.resume_args(procgen.Args(resume=str(path), total_timesteps=10**8, micro_batch_size=64))
+    assert resumed.num_envs == 4 and resumed.total_timesteps == 10**8 and resumed.micro_batch_size == 64
+
+
+def test_injected_nan_stops_the_run_and_leaves_the_last_checkpoint_intact(script, tmp_path, monkeypatch):
+    """value_loss turns NaN once the first checkpoint exists: the run stops in phase 2 with one line,
+    and the phase-1 checkpoint is still there, finite and loadable."""
+    saved = []
+    real_save, real_value_loss = script.save_checkpoint, script.value_loss
+    monkeypatch.setattr(script, "save_checkpoint", lambda path, state: saved.append(path) or real_save(path, state))
+    monkeypatch.setattr(script, "value_loss", lambda v, r: real_value_loss(v, r) * (math.nan if saved else 1.0))
+    monkeypatch.chdir(tmp_path)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    args = tyro.cli(script.Args, args=TINY_FLAGS[pathlib.Path(script.__file__).name] + LONG)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            script.main(args)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    message = str(stopped.value.code)
+    assert message.startswith("error: phase 2, iteration 3: non-finite loss (value_loss) in the policy update")
+    assert "\n" not in message
+    state = script.load_checkpoint(saved[0])
+    assert state["phase"] == 1 and all(torch.isfinite(v).all() for v in state["agent"].values())
+
+
+def test_every_float_flag_must_be_finite(script):
+    floats = [f.name for f in dataclasses.fields(script.Args) if isinstance(getattr(script.Args(), f.name), float)]
+    assert "learning_rate" in floats and "beta_clone" in floats and len(floats) >= 9
+    for name in floats:
+        for bad in (math.nan, math.inf, -math.inf):
+            with pytest.raises(script.ArgError, match=f"--{name.replace('_', '-')} must be a finite number"):
+                script.make_plan(script.Args(**{name: bad}))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_non_finite_flags_get_one_line(name, tmp_path):
+    for flags in (["--learning-rate", "inf"], ["--ent-coef", "inf"], ["--beta-clone", "nan"]):
+        proc = run_script(name, *flags, cwd=tmp_path, timeout=60)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode != 0 and len(errors) == 1 and "must be a finite number" in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
