@@ -1,0 +1,133 @@
+"""Evaluate a saved policy: mean raw return +- standard error over whole episodes, written to a JSON file.
+
+    python tools/evaluate.py runs/{run_name}/checkpoint.pt --episodes 100 [--capture-video] [--seed 0] [--cpu]
+
+Takes a checkpoint or a --save-model file of ppg_procgen.py or ppg_atari.py, reads it with that
+script's own load_checkpoint, and rebuilds the network and the envs from the run's saved flags.
+Actions are sampled from the policy, as in training (not its most likely action). Each of
+min(episodes, 64) envs plays a fixed share of the episodes, its first ones: taking whichever
+episodes end first would favour short ones. Returns are raw game scores; on Atari, whole games.
+Procgen: the run's training levels, then the full level distribution (unseen levels, as the
+script's evaluate()); a run on all levels (--num-levels 0) has one set. Env seeds differ from
+training's (the run's --seed + 2,000,003 + --seed here). Writes <checkpoint stem>.eval.json beside it.
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import sys
+
+import numpy as np
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ("ppg_procgen.py", "ppg_atari.py")
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(pathlib.Path(name).stem, ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def which_script(path: str) -> str:
+    """The "script" key of the file, or exit with one line saying why there is none."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        sys.exit(f"error: {path}: no such file")
+    except Exception as e:  # truncated, or not a torch file at all
+        sys.exit(f"error: {path}: not a readable checkpoint, perhaps truncated ({type(e).__name__})")
+    script = state.get("script") if isinstance(state, dict) else None
+    if script not in SCRIPTS:
+        sys.exit(f"error: {path}: written by {script or 'something else'}, not by {' or '.join(SCRIPTS)}")
+    missing = {"format", "run_name", "args", "agent"} - state.keys()
+    if missing:
+        sys.exit(f"error: {path}: not a whole checkpoint of {script}, it lacks {', '.join(sorted(missing))}")
+    return script
+
+
+@torch.no_grad()
+def play(agent, envs, episodes: int, device) -> list:
+    """Raw returns of env i's first quota[i] episodes, with quotas summing to `episodes`."""
+    quota = [episodes // envs.num_envs + (i < episodes % envs.num_envs) for i in range(envs.num_envs)]
+    returns, obs = [[] for _ in quota], envs.reset()
+    while any(len(r) < q for r, q in zip(returns, quota)):
+        logits = agent.logits(torch.from_numpy(obs).to(device))
+        obs, _, _, finished = envs.step(torch.distributions.Categorical(logits=logits).sample().cpu().numpy())
+        for i, ep_return, _ in finished:
+            if len(returns[i]) < quota[i]:
+                returns[i].append(ep_return)
+    envs.close()
+    return [r for env_returns in returns for r in env_returns]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or a --save-model file")
+    parser.add_argument("--episodes", type=int, default=100, help="episodes (Atari: whole games) per evaluation set")
+    parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")
+    parser.add_argument("--capture-video", action="store_true", help="save videos of env 0 to <checkpoint dir>/videos-eval")
+    parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
+    opts = parser.parse_args()
+    if opts.episodes < 1:
+        parser.error("--episodes must be at least 1")
+
+    path = os.path.join(opts.checkpoint, "checkpoint.pt") if os.path.isdir(opts.checkpoint) else opts.checkpoint
+    module = load_script(which_script(path))
+    try:
+        state = module.load_checkpoint(path, flag="checkpoint")
+    except module.ArgError as e:
+        sys.exit(f"error: {e}")
+    try:
+        args = module.Args(**state["args"])
+    except TypeError as e:  # a flag that this version of the script does not have
+        sys.exit(f"error: {path}: its flags do not fit this version of {module.SCRIPT} ({e})")
+    device = torch.device("cuda" if torch.cuda.is_available() and not opts.cpu else "cpu")
+    num_actions = state["agent"]["pi_head.weight"].shape[0]  # the game's own action set, as trained
+    agent = module.PPGAgent(args.arch, module.OBS_SHAPE, num_actions, bf16=args.precision == "bf16")
+    agent.load_state_dict(state["agent"])
+    agent.to(device).eval()
+    torch.manual_seed(opts.seed)
+
+    folder, stem = os.path.split(os.path.abspath(path))
+    seed, n = args.seed + 2_000_003 + opts.seed, min(opts.episodes, 64)
+    procgen = module.SCRIPT == "ppg_procgen.py"
+    env_class = module.ProcgenVecEnv if procgen else module.AtariVecEnv
+    sets = {"games": ("whole games", {})}  # name: (description, the env class's level arguments)
+    if procgen and args.num_levels == 0:
+        sets = {"all_levels": ("training distribution = all levels", dict(num_levels=0, start_level=0))}
+    elif procgen:
+        sets = {"training_levels": (f"training levels {args.start_level}..{args.start_level + args.num_levels - 1}",
+                                    dict(num_levels=args.num_levels, start_level=args.start_level)),
+                "unseen_levels": ("full distribution (unseen levels)", dict(num_levels=0, start_level=0))}
+
+    print(f"{module.SCRIPT} {args.env_id}, run {state['run_name']}" +
+          (f", step {state['global_step']:,}" if "global_step" in state else "") + f", on {device}")
+    report = dict(script=module.SCRIPT, env_id=args.env_id, checkpoint=path, run_name=state["run_name"],
+                  global_step=state.get("global_step"), episodes=opts.episodes, seed=opts.seed, sets={})
+    for name, (description, levels) in sets.items():
+        video = os.path.join(folder, "videos-eval", name) if opts.capture_video else None
+        returns = play(agent, env_class(args, n, seed=seed, video_dir=video, **levels), opts.episodes, device)
+        mean = float(np.mean(returns))
+        stderr = float(np.std(returns, ddof=1) / math.sqrt(len(returns))) if len(returns) > 1 else None
+        result = dict(description=description, n=len(returns), mean=mean, stderr=stderr)
+        line = f"{description}: mean return {mean:.2f} +- {'n/a' if stderr is None else f'{stderr:.2f}'} (stderr)"
+        if procgen:
+            result["normalised_mean"] = float(np.mean([module.normalised_score(args, r) for r in returns]))
+            line += f", normalised {result['normalised_mean']:.3f}"
+        print(f"{line} over {len(returns)} episodes", flush=True)
+        report["sets"][name] = dict(result, returns=returns)
+
+    out = os.path.join(folder, os.path.splitext(stem)[0] + ".eval.json")
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"written to {out}" + (f"; videos in {os.path.join(folder, 'videos-eval')}" if opts.capture_video else ""))
+
+
+if __name__ == "__main__":
+    main()
