@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or a --save-model file")
     parser.add_argument("--episodes", type=int, default=100, help="episodes (Atari: whole games) per evaluation set")
     parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")
-    parser.add_argument("--capture-video", action="store_true", help="save videos of env 0 to <checkpoint dir>/videos-eval")
+    parser.add_argument("--capture-video", action="store_true",
+                        help="save videos of env 0 to <checkpoint dir>/videos-eval")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
     opts = parser.parse_args()
     if opts.episodes < 1:
@@ -94,7 +95,7 @@ def main() -> None:
     agent.to(device).eval()
     torch.manual_seed(opts.seed)
 
-    folder, stem = os.path.split(os.path.abspath(path))
+    folder, stem = os.path.split(path)
     seed, n = args.seed + 2_000_003 + opts.seed, min(opts.episodes, 64)
     procgen = module.SCRIPT == "ppg_procgen.py"
     env_class = module.ProcgenVecEnv if procgen else module.AtariVecEnv
