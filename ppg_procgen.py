@@ -11,6 +11,7 @@ One file, read top to bottom:
   8. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -224,12 +225,10 @@ class ProcgenVecEnv:
     the step that ends its episode: the frame returned with done=True already starts the next one."""
 
     def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int):
-        try:  # gym 0.26 (procgen's dependency) prints a 4-line "unmaintained" notice from this table at import
+        with contextlib.suppress(ImportError):  # gym 0.26 (procgen's dependency) prints a 4-line notice from this table
             import gym_notices.notices
 
             gym_notices.notices.notices.clear()
-        except ImportError:
-            pass
         from procgen import ProcgenEnv  # imported here so the flags are checked before gym loads
 
         self.env = ProcgenEnv(num_envs=num_envs, env_name=args.env_id, num_levels=num_levels,
@@ -395,8 +394,7 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
     """Generalised advantage estimation over (num_envs, num_steps) tensors.
     ended[:, t] is True when step t's transition ended its episode (the value after it is 0).
     Returns (advantages, returns = advantages + values)."""
-    advantages = torch.zeros_like(rewards)
-    last = torch.zeros_like(next_value)
+    advantages, last = torch.zeros_like(rewards), torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[1])):
         following = next_value if t == rewards.shape[1] - 1 else values[:, t + 1]
         alive = 1.0 - ended[:, t].float()
@@ -698,8 +696,7 @@ def main(args: Args) -> List[Dict[str, float]]:
         sys.exit(f"error: {e}")
 
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    # Phases and rollouts done: none, or on --resume the checkpoint's (then the phases still to run
-    # are those the remaining rollouts need, N_pi at a time, as in a fresh plan).
+    # Phases and rollouts done: none, or the checkpoint's; the remaining rollouts run N_pi to a phase.
     phase, iteration = (ckpt["phase"], ckpt["global_step"] // plan.batch_size) if ckpt else (0, 0)
     num_phases = phase + -(-(plan.num_iterations - iteration) // args.n_pi)
     print(f"run {run_name} on {device}: {num_phases} phases x N_pi={args.n_pi} iterations = "
@@ -757,7 +754,7 @@ def main(args: Args) -> List[Dict[str, float]]:
         recent_returns.extend(ckpt["recent_returns"])
         set_rng_state(ckpt["rng"])
         print(f"resumed from runs/{run_name}/checkpoint.pt after phase {phase}, step {global_step:,}")
-    stop, start_step = StopSignal(), global_step
+    stop, start_step, checkpointed = StopSignal(), global_step, (phase, global_step) if ckpt else None
 
     def stop_on_nonfinite(error: NonFiniteError, where: str) -> None:
         writer.close()
@@ -875,6 +872,7 @@ def main(args: Args) -> List[Dict[str, float]]:
         checkpoint_s = save_checkpoint(f"runs/{run_name}/checkpoint.pt", dict(
             model_file(args, run_name, agent), **{name: thing.state_dict() for name, thing in stateful.items()}, rng=rng_state(),
             global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns), spent=spent))
+        checkpointed = (phase, global_step)
         print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
               f"; SPS whole-phase {report['whole_phase_sps']:.0f}, policy-phase {report['policy_phase_sps']:.0f}; "
               f"forward+backward states/s: update {report['update_states_per_s']:.0f}" +
@@ -885,9 +883,9 @@ def main(args: Args) -> List[Dict[str, float]]:
     envs.close()
     writer.close()
     if stop.signum:
-        saved = os.path.exists(f"runs/{run_name}/checkpoint.pt")
-        print(f"stopped by {signal.Signals(stop.signum).name} at step {global_step:,}; " +
-              (f"resume with: python {SCRIPT} --resume runs/{run_name}" if saved else "no checkpoint had been written yet"))
+        print(f"stopped by {signal.Signals(stop.signum).name} at step {global_step:,}; " + (
+            f"the checkpoint after phase {checkpointed[0]} (step {checkpointed[1]:,}) stays; resume with: python {SCRIPT} "
+            f"--resume runs/{run_name}" if checkpointed else "no checkpoint had been written yet"))
         sys.exit(128 + stop.signum)
     if args.save_model:
         torch.save(model_file(args, run_name, agent), f"runs/{run_name}/{args.exp_name}.pt")

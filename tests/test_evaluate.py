@@ -27,7 +27,8 @@ def test_evaluate_checkpoint_and_saved_model(tmp_path, name):
     saved_model = run_dir / f"{pathlib.Path(name).stem}.pt"
 
     for path in (run_dir / "checkpoint.pt", saved_model):
-        done = evaluate(path, "--episodes", "4", "--cpu")
+        video = ["--capture-video"] if path == saved_model else []
+        done = evaluate(path, "--episodes", "4", "--cpu", *video)
         assert done.returncode == 0, done.stderr
         # dodgeball's tiny run trains on all levels (--num-levels 0): one evaluation set; Atari: whole games
         (line,) = [line for line in done.stdout.splitlines() if "mean return" in line]
@@ -39,6 +40,9 @@ def test_evaluate_checkpoint_and_saved_model(tmp_path, name):
         (result,) = report["sets"].values()
         assert result["n"] == len(result["returns"]) == 4 and math.isfinite(result["mean"])
         assert ("normalised_mean" in result) == (name == "ppg_procgen.py")
+    # --capture-video: an mp4 of each of env 0's counted episodes (4 episodes over 4 envs: one)
+    (video,) = run_dir.glob("videos-eval/*/episode-0.mp4")
+    assert video.stat().st_size > 1000
 
     # a truncated checkpoint: one line saying so, not a traceback
     data = (run_dir / "checkpoint.pt").read_bytes()

@@ -51,17 +51,38 @@ def which_script(path: str) -> str:
     return script
 
 
+def write_video(path: str, frames: list) -> None:
+    """An mp4 of uint8 frames, RGB (Procgen) or grayscale (Atari), through imageio-ffmpeg (gym3 installs it)."""
+    import imageio_ffmpeg
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    gray = frames[0].ndim == 2
+    writer = imageio_ffmpeg.write_frames(path, frames[0].shape[1::-1], fps=15, pix_fmt_in="gray" if gray else "rgb24",
+                                         macro_block_size=4 if gray else 16)
+    writer.send(None)  # start the ffmpeg process
+    for frame in frames:
+        writer.send(np.ascontiguousarray(frame))
+    writer.close()
+
+
 @torch.no_grad()
-def play(agent, envs, episodes: int, device) -> list:
-    """Raw returns of env i's first quota[i] episodes, with quotas summing to `episodes`."""
+def play(agent, envs, episodes: int, device, video_dir=None) -> list:
+    """Raw returns of env i's first quota[i] episodes, with quotas summing to `episodes`; with
+    video_dir, an mp4 of each of env 0's counted episodes (Atari: the newest frame of each stack)."""
     quota = [episodes // envs.num_envs + (i < episodes % envs.num_envs) for i in range(envs.num_envs)]
     returns, obs = [[] for _ in quota], envs.reset()
+    frames = []
     while any(len(r) < q for r, q in zip(returns, quota)):
+        frames.append(obs[0] if obs.shape[-1] == 3 else obs[0, :, :, -1])
         logits = agent.logits(torch.from_numpy(obs).to(device))
         obs, _, _, finished = envs.step(torch.distributions.Categorical(logits=logits).sample().cpu().numpy())
         for i, ep_return, _ in finished:
             if len(returns[i]) < quota[i]:
                 returns[i].append(ep_return)
+                if i == 0 and video_dir:  # the frame returned with the episode's end already starts the next one
+                    write_video(os.path.join(video_dir, f"episode-{len(returns[0]) - 1}.mp4"), frames)
+            if i == 0:
+                frames = []
     envs.close()
     return [r for env_returns in returns for r in env_returns]
 
@@ -113,7 +134,7 @@ def main() -> None:
                   global_step=state.get("global_step"), episodes=opts.episodes, seed=opts.seed, sets={})
     for name, (description, levels) in sets.items():
         video = os.path.join(folder, "videos-eval", name) if opts.capture_video else None
-        returns = play(agent, env_class(args, n, seed=seed, video_dir=video, **levels), opts.episodes, device)
+        returns = play(agent, env_class(args, n, seed=seed, **levels), opts.episodes, device, video)
         mean = float(np.mean(returns))
         stderr = float(np.std(returns, ddof=1) / math.sqrt(len(returns))) if len(returns) > 1 else None
         result = dict(description=description, n=len(returns), mean=mean, stderr=stderr)
