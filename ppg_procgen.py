@@ -159,7 +159,7 @@ PROCESS_BYTES = 512 * 2**20
 def bf16_is_native(device: torch.device) -> Tuple[bool, str]:
     """Whether this device runs bf16 convolutions and matmuls in hardware, and what it is."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(), torch.cuda.get_device_name(device)
+        return torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name(device)
     for name, check in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
         if getattr(torch.cpu, check, lambda: False)():  # a private torch API, hence getattr
             return True, f"the CPU has {name}"
@@ -472,7 +472,7 @@ def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> to
     """pi_old for the auxiliary phase: the logits of the policy as it stands NOW (after the policy
     phase) on every state of the buffer, not the rollout-time ones. Logits, not log-probabilities:
     clone_kl then normalises both sides by the same computation, so an unchanged policy gives a KL
-    of exactly 0. Shape (trajectories, steps, actions), float32."""
+    of exactly 0 where the logits are bitwise the same. Shape (trajectories, steps, actions), float32."""
     flat = obs_buffer.flatten(0, 1)
     out = torch.empty(flat.shape[0], agent.pi_head.out_features, device=flat.device)
     for start in range(0, flat.shape[0], chunk):
@@ -562,7 +562,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
 # ==== 7. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals ================
 CHECKPOINT_FORMAT = 1
 SCRIPT = os.path.basename(__file__)
-# Flags that --resume takes from the command line: they do not change what is trained.
+# The flags --resume takes from the command line; the others come from the checkpoint.
 RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_size")
 
 
@@ -575,8 +575,6 @@ def model_file(args: Args, run_name: str, agent: nn.Module) -> Dict:
 def save_checkpoint(path: str, state: Dict) -> float:
     """Write atomically: a temporary file, flushed and fsynced, then renamed over the old checkpoint,
     so a crash mid-write leaves the previous one intact. Returns the seconds it took."""
-    if not all(torch.isfinite(v).all() for v in state["agent"].values()):
-        raise NonFiniteError("non-finite weights (not checkpointed)")
     t0 = time.time()
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
@@ -604,20 +602,21 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
     return state
 
 
-def resume_args(args: Args) -> Tuple[Args, Dict]:
-    """The checkpointed run's flags, with those of RESUMABLE that this command line sets. A training
-    flag set here to another value than the checkpoint's is refused (flags left at their defaults
-    are the checkpoint's)."""
+def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict]:
+    """The checkpointed run's flags, with those of RESUMABLE that this command line gives. A training
+    flag given with another value than the checkpoint's is refused. `given`: the flags named on the
+    command line (None: those that differ from their defaults, for calls from Python)."""
     state, defaults = load_checkpoint(args.resume), Args()
     saved = state["args"]
-    for name, value in dataclasses.asdict(args).items():
-        if name not in RESUMABLE and value != getattr(defaults, name) and value != saved[name]:
-            raise ArgError(f"--{name.replace('_', '-')} {value} conflicts with the checkpoint's {saved[name]}: a resumed "
-                           f"run keeps its training flags; leave it out")
-    given = {name: getattr(args, name) for name in RESUMABLE if getattr(args, name) != getattr(defaults, name)}
-    if given.get("total_timesteps", saved["total_timesteps"]) < saved["total_timesteps"]:
+    given = {n for n, v in dataclasses.asdict(args).items() if v != getattr(defaults, n)} if given is None else given
+    for name in sorted(given - set(RESUMABLE)):
+        if getattr(args, name) != saved[name]:
+            raise ArgError(f"--{name.replace('_', '-')} {getattr(args, name)} conflicts with the checkpoint's {saved[name]}: "
+                           f"a resumed run keeps its training flags; leave it out")
+    keep = {name: getattr(args, name) for name in given & set(RESUMABLE)}
+    if keep.get("total_timesteps", saved["total_timesteps"]) < saved["total_timesteps"]:
         raise ArgError(f"--total-timesteps may only be raised on --resume (the checkpoint's is {saved['total_timesteps']:,})")
-    return dataclasses.replace(Args(**saved), **given), state
+    return dataclasses.replace(Args(**saved), **keep), state
 
 
 def rng_state() -> Dict:
@@ -647,7 +646,7 @@ class StopSignal:
         if self.signum:
             sys.exit(128 + signum)
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this rollout (send it again to stop now)", flush=True)
+        os.write(1, f"\n{signal.Signals(signum).name}: stopping at the next rollout boundary (again: stop now)\n".encode())
 
 
 # ==== 8. Evaluation on unseen levels, and main(): the paper's Algorithm 1 =================================
@@ -672,7 +671,7 @@ def evaluate(agent: PPGAgent, args: Args, device: torch.device) -> List[float]:
     return list(returns.values())
 
 
-def eta_seconds(args: Args, plan: Plan, iterations_done: int, spent: Dict[str, float]) -> float:
+def eta_seconds(args: Args, plan: Plan, iterations_done: int, aux_phases_left: int, spent: Dict[str, float]) -> float:
     """Time left: the remaining rollouts and aux phases at their measured costs. Until an aux phase
     has run, its cost is the policy update's per state and epoch (an aux epoch does the same
     forward+backward per state) times E_aux + 1/3 (the snapshot's forward pass) epochs."""
@@ -682,13 +681,13 @@ def eta_seconds(args: Args, plan: Plan, iterations_done: int, spent: Dict[str, f
         per_state_epoch = spent["policy_update"] / (iterations_done * plan.batch_size * max(args.e_pi, args.e_v))
         per_aux = per_state_epoch * plan.aux_slots * plan.batch_size * (args.e_aux + 1 / 3)
     per_iteration = (spent["rollout"] + spent["policy_update"]) / iterations_done
-    return (plan.num_iterations - iterations_done) * per_iteration + (plan.num_aux_phases - spent["aux_phases"]) * per_aux
+    return (plan.num_iterations - iterations_done) * per_iteration + aux_phases_left * per_aux
 
 
-def main(args: Args) -> List[Dict[str, float]]:
-    """Train; returns each phase's speed figures (tools/benchmark.py reads them)."""
+def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
+    """Train; returns each phase's speed figures (tools/benchmark.py reads them). `given`: see resume_args."""
     try:
-        args, ckpt = resume_args(args) if args.resume else (args, None)
+        args, ckpt = resume_args(args, given) if args.resume else (args, None)
         args, device, precision_why = resolve_hardware(args)
         plan = make_plan(args)
         mem_needed, mem_free = check_memory(args, plan, device)
@@ -704,7 +703,7 @@ def main(args: Args) -> List[Dict[str, float]]:
           f"{plan.total_env_steps:,} env steps" +
           (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
            if plan.total_env_steps != args.total_timesteps else ""))
-    aux_plan = (f"{plan.num_aux_phases} auxiliary phases of {plan.aux_minibatches} minibatches x "
+    aux_plan = (f"{max(num_phases - phase - 1, 0) if args.e_aux else 0} auxiliary phases of {plan.aux_minibatches} minibatches x "
                 f"{args.aux_mb_trajectories * args.num_steps} states" if plan.num_aux_phases else "no auxiliary phase")
     print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; {aux_plan}; "
           f"PPO minibatch {plan.minibatch_size} states; observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; "
@@ -753,6 +752,7 @@ def main(args: Args) -> List[Dict[str, float]]:
         global_step, aux_epochs_done, spent = ckpt["global_step"], ckpt["aux_epochs_done"], ckpt["spent"]
         recent_returns.extend(ckpt["recent_returns"])
         set_rng_state(ckpt["rng"])
+        reward_normalizer.ret[:] = 0.0  # the envs start new episodes
         print(f"resumed from runs/{run_name}/checkpoint.pt after phase {phase}, step {global_step:,}")
     stop, start_step, checkpointed = StopSignal(), global_step, (phase, global_step) if ckpt else None
 
@@ -762,7 +762,7 @@ def main(args: Args) -> List[Dict[str, float]]:
                  f"step, and the last checkpoint is unchanged")
 
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    while iteration < plan.num_iterations:
+    while iteration < plan.num_iterations and not stop.signum:
         phase, phase_start, spent_before = phase + 1, time.time(), dict(spent)
         phase_iterations = min(args.n_pi, plan.num_iterations - iteration)
         # ============ Policy phase: N_pi iterations of rollout + PPO ============
@@ -819,7 +819,7 @@ def main(args: Args) -> List[Dict[str, float]]:
             writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
             sps = int((global_step - start_step) / (time.time() - start_time))
             writer.add_scalar("charts/SPS", sps, global_step)
-            eta = eta_seconds(args, plan, iteration, spent)
+            eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, spent)
             mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
             print(f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations} "
                   f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} "
@@ -837,10 +837,7 @@ def main(args: Args) -> List[Dict[str, float]]:
                 aux = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
             except NonFiniteError as e:
                 stop_on_nonfinite(e, "auxiliary phase")
-            for epoch_stats in aux["epochs"]:  # x-axis of the aux/ tags: auxiliary epochs run so far
-                aux_epochs_done += 1
-                for k, v in epoch_stats.items():
-                    writer.add_scalar(f"aux/{k}", v, aux_epochs_done)
+            aux_epochs_done += len(aux["epochs"])
             writer.add_scalar("charts/aux_epochs", len(aux["epochs"]), global_step)
             if aux["stopped_early"]:
                 print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
@@ -873,6 +870,10 @@ def main(args: Args) -> List[Dict[str, float]]:
             model_file(args, run_name, agent), **{name: thing.state_dict() for name, thing in stateful.items()}, rng=rng_state(),
             global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns), spent=spent))
         checkpointed = (phase, global_step)
+        # aux/ tags (x-axis: aux epochs run) only now: purge_step covers env steps, not epochs
+        for epoch, epoch_stats in enumerate(aux["epochs"] if aux else []):
+            for k, v in epoch_stats.items():
+                writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux["epochs"]) + 1 + epoch)
         print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
               f"; SPS whole-phase {report['whole_phase_sps']:.0f}, policy-phase {report['policy_phase_sps']:.0f}; "
               f"forward+backward states/s: update {report['update_states_per_s']:.0f}" +
@@ -882,7 +883,7 @@ def main(args: Args) -> List[Dict[str, float]]:
 
     envs.close()
     writer.close()
-    if stop.signum:
+    if stop.signum and iteration < plan.num_iterations:
         print(f"stopped by {signal.Signals(stop.signum).name} at step {global_step:,}; " + (
             f"the checkpoint after phase {checkpointed[0]} (step {checkpointed[1]:,}) stays; resume with: python {SCRIPT} "
             f"--resume runs/{run_name}" if checkpointed else "no checkpoint had been written yet"))
@@ -893,5 +894,5 @@ def main(args: Args) -> List[Dict[str, float]]:
     return phase_reports
 
 
-if __name__ == "__main__":
-    main(tyro.cli(Args))
+if __name__ == "__main__":  # given: the flags named on the command line (--no-cuda names cuda), for --resume
+    main(tyro.cli(Args), {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a[:2] == "--"})

@@ -133,6 +133,14 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path):
     # flags that do not change what is trained may be given
     resumed, _ = procgen.resume_args(procgen.Args(resume=str(path), total_timesteps=10**8, micro_batch_size=64))
     assert resumed.num_envs == 4 and resumed.total_timesteps == 10**8 and resumed.micro_batch_size == 64
+    # the flags named on the command line count, also at their default values (the __main__ block passes them)
+    no_cuda = tmp_path / "no_cuda.pt"
+    procgen.save_checkpoint(str(no_cuda), procgen.model_file(procgen.Args(cuda=False, e_aux=0), "run", procgen.PPGAgent(
+        "dual", procgen.OBS_SHAPE, 15)))
+    resumed, _ = procgen.resume_args(procgen.Args(resume=str(no_cuda), cuda=True), given={"resume", "cuda"})
+    assert resumed.cuda and resumed.e_aux == 0
+    with pytest.raises(procgen.ArgError, match="--e-aux 6 conflicts with the checkpoint's 0"):
+        procgen.resume_args(procgen.Args(resume=str(no_cuda), e_aux=6), given={"resume", "e_aux"})
 
 
 def test_injected_nan_stops_the_run_and_leaves_the_last_checkpoint_intact(script, tmp_path, monkeypatch):

@@ -166,10 +166,10 @@ def test_eta_counts_the_aux_phase_before_one_has_run(script):
     # after 1 rollout: 1 s per rollout, of which 0.5 s update = 0.5/32 s per state and epoch
     spent = dict(rollout=0.5, policy_update=0.5, snapshot=0.0, aux_epochs=0.0, aux_phases=0)
     per_aux = 0.5 / 32 * plan.aux_slots * 32 * (6 + 1 / 3)
-    assert script.eta_seconds(args, plan, 1, spent) == pytest.approx(9 * 1.0 + 4 * per_aux)
+    assert script.eta_seconds(args, plan, 1, 4, spent) == pytest.approx(9 * 1.0 + 4 * per_aux)
     # once an aux phase has been timed, its measured cost replaces the estimate
     spent = dict(rollout=1.0, policy_update=1.0, snapshot=2.0, aux_epochs=28.0, aux_phases=1)
-    assert script.eta_seconds(args, plan, 2, spent) == pytest.approx(8 * 1.0 + 3 * 30.0)
+    assert script.eta_seconds(args, plan, 2, 3, spent) == pytest.approx(8 * 1.0 + 3 * 30.0)
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach", "shared"])

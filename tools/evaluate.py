@@ -73,7 +73,8 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
     returns, obs = [[] for _ in quota], envs.reset()
     frames = []
     while any(len(r) < q for r, q in zip(returns, quota)):
-        frames.append(obs[0] if obs.shape[-1] == 3 else obs[0, :, :, -1])
+        if video_dir:
+            frames.append(obs[0] if obs.shape[-1] == 3 else obs[0, :, :, -1])
         logits = agent.logits(torch.from_numpy(obs).to(device))
         obs, _, _, finished = envs.step(torch.distributions.Categorical(logits=logits).sample().cpu().numpy())
         for i, ep_return, _ in finished:
