@@ -38,7 +38,7 @@ class Args:
     seed: int = 1  # seed of python, numpy and torch, and of the envs (env i gets seed + i)
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
-    save_model: bool = False  # if toggled, save the networks' weights to `runs/{run_name}/{exp_name}.pt` at the end
+    save_model: bool = False  # if toggled, save the weights and flags to `runs/{run_name}/{exp_name}.pt` at the end
     resume: Optional[str] = None  # continue the run of this `runs/{run_name}` folder from its last phase boundary
 
     # Environment
