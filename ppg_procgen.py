@@ -7,12 +7,14 @@ One file, read top to bottom:
   4. Networks: IMPALA CNN, "normed" init, and the three architectures (dual, detach, shared).
   5. Small pieces: reward normaliser, GAE, the losses, chunked gradients, the pi_old snapshot.
   6. The two phases: policy_phase_update (E_pi, E_V epochs) and auxiliary_phase (E_aux epochs).
-  7. Checkpoints at every phase boundary, --resume, clean stops on SIGTERM/SIGINT.
-  8. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
+  7. Data parallel: under torchrun, K workers average their gradients (the released code's MPI setup).
+  8. Checkpoints at every phase boundary, --resume, clean stops on SIGTERM/SIGINT.
+  9. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
 """
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import random
@@ -21,18 +23,18 @@ import signal
 import sys
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
 
 # ==== 1. Arguments ========================================================================================
-@dataclass
+@dataclasses.dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment (the first part of the run name)
     seed: int = 1  # seed of python, numpy and torch, and of the environment's level sequence
@@ -46,25 +48,23 @@ class Args:
     distribution_mode: str = "easy"  # Procgen difficulty: `easy` (Procgen paper, 25M steps) or `hard` (PPG paper, 100M steps)
     num_levels: int = 0  # number of training levels; 0 trains on the full level distribution
     start_level: int = 0  # the first training level's seed
-    num_eval_envs: int = 64  # when --num-levels > 0: one episode per env on unseen levels is evaluated after every phase
 
     # Policy phase (PPO)
-    total_timesteps: int = 25_000_000  # total env steps (rounded UP to whole rollouts; the exact count is printed)
+    total_timesteps: int = 25_000_000  # total env steps of all workers (rounded UP to whole rollouts; the exact count is printed)
     learning_rate: float = 5e-4  # Adam learning rate of both phases (constant, as in the paper)
-    num_envs: int = 64  # number of parallel envs
+    num_envs: int = 64  # number of parallel envs (of each worker, under torchrun)
     num_steps: int = 256  # steps per env in each rollout
     gamma: float = 0.999  # discount factor of GAE and the value targets
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
     norm_reward: bool = True  # if toggled, divide rewards by the running std of their discounted return, clipped to +-10
     reward_norm_gamma: float = 0.99  # discount of the return whose running std scales the rewards (0.99 in the released code)
-    num_minibatches: int = 8  # PPO minibatches per epoch in the policy phase
+    num_minibatches: int = 8  # PPO minibatches per epoch in the policy phase (each worker's share of a minibatch is 1/K)
     clip_coef: float = 0.2  # PPO clipping coefficient
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip the gradient norm of each network to this (0 = no clipping, as in the paper)
 
     # Phasic Policy Gradient
-    arch: str = "dual"
-    """`dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)"""
+    arch: str = "dual"  # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)
     n_pi: int = 32  # N_pi: policy-phase iterations (rollouts) per phase
     e_pi: int = 1  # E_pi: epochs of the PPO policy loss on each rollout
     e_v: int = 1  # E_V: epochs of the value loss on each rollout
@@ -72,10 +72,8 @@ class Args:
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
     aux_mb_trajectories: int = 4  # whole --num-steps trajectories per auxiliary minibatch (4 x 256 = 1,024 states)
     aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
-    micro_batch_size: Optional[int] = None
-    """forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = the whole minibatch at once; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)"""
-    precision: str = "auto"
-    """`fp32`, `bf16` (autocast of the networks' trunks; weights, optimiser and loss math stay fp32), or `auto`: bf16 where the hardware runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16)"""
+    micro_batch_size: Optional[int] = None  # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = the whole minibatch at once; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
+    precision: str = "auto"  # `fp32`, `bf16` (autocast of the networks' trunks; weights, optimiser and loss math stay fp32), or `auto`: bf16 where the hardware runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16)
 
 
 NORMALISATION = {  # (R_min, R_max) of the Procgen paper, to report scores normalised as the PPG paper does
@@ -100,21 +98,20 @@ class NonFiniteError(Exception):
     """A loss or gradient became NaN or infinite: the run stops with one line, before the optimizer step."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    batch_size: int  # env steps per rollout = num_envs * num_steps
-    minibatch_size: int  # states per PPO minibatch
-    num_iterations: int  # rollouts in the whole run
-    num_phases: int  # ceil(num_iterations / N_pi); the last one may be shorter
+    batch_size: int  # env steps per rollout of one worker = num_envs * num_steps (K times that in all)
+    minibatch_size: int  # states per PPO minibatch of one worker
+    num_iterations: int  # rollouts in the whole run (each worker does them all)
     num_aux_phases: int  # auxiliary phases that actually run (none after the last rollout)
-    total_env_steps: int  # num_iterations * batch_size: what the run really does
+    total_env_steps: int  # num_iterations * batch_size * workers: what the run really does
     aux_slots: int  # rollouts the buffer holds: N_pi if an auxiliary phase ever runs, else 1
     aux_minibatches: int  # auxiliary minibatches per epoch
     buffer_bytes: int  # bytes of the preallocated uint8 observation buffer
 
 
-def make_plan(args: Args) -> Plan:
-    """Check every flag and derive the run's counts. Raises ArgError with a one-line message."""
+def make_plan(args: Args, workers: int = 1) -> Plan:
+    """Check every flag and derive the run's counts for K = `workers`. Raises ArgError with a one-line message."""
     check_env_args(args)
     for name, value in dataclasses.asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -135,7 +132,7 @@ def make_plan(args: Args) -> Plan:
         raise ArgError(f"--num-minibatches {args.num_minibatches} does not divide the rollout of "
                        f"--num-envs x --num-steps = {batch_size} states; pick a divisor of {batch_size}")
 
-    num_iterations = -(-args.total_timesteps // batch_size)  # round UP: never train less than asked
+    num_iterations = -(-args.total_timesteps // (batch_size * workers))  # round UP: never train less than asked
     num_aux_phases = (num_iterations - 1) // args.n_pi if args.e_aux > 0 else 0
     aux_slots = args.n_pi if num_aux_phases > 0 else 1
     trajectories = aux_slots * args.num_envs
@@ -143,8 +140,7 @@ def make_plan(args: Args) -> Plan:
         raise ArgError(f"--aux-mb-trajectories {args.aux_mb_trajectories} does not divide the "
                        f"{trajectories} trajectories of an auxiliary phase (--n-pi x --num-envs)")
     return Plan(batch_size=batch_size, minibatch_size=batch_size // args.num_minibatches, num_iterations=num_iterations,
-                num_phases=-(-num_iterations // args.n_pi), num_aux_phases=num_aux_phases,
-                total_env_steps=num_iterations * batch_size, aux_slots=aux_slots,
+                num_aux_phases=num_aux_phases, total_env_steps=num_iterations * batch_size * workers, aux_slots=aux_slots,
                 aux_minibatches=trajectories // args.aux_mb_trajectories,
                 buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE))
 
@@ -154,6 +150,7 @@ def make_plan(args: Args) -> Plan:
 ACTIVATION_BYTES_PER_TRUNK_STATE = 1_800_000
 # Resident memory of the process before any buffer: python, torch, the envs (0.4-0.5 GiB measured).
 PROCESS_BYTES = 512 * 2**20
+CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py; README); a GPU takes whole minibatches
 
 
 def bf16_is_native(device: torch.device) -> Tuple[bool, str]:
@@ -166,14 +163,12 @@ def bf16_is_native(device: torch.device) -> Tuple[bool, str]:
     return False, "the CPU has neither AMX nor AVX512-BF16"
 
 
-CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py; README); a GPU takes whole minibatches
-
-
 def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
     """Args with `precision` and `micro_batch_size` made concrete for this device; the device; why that precision."""
     if args.precision not in ("auto", "fp32", "bf16"):
         raise ArgError(f"--precision {args.precision!r} is unknown; use auto, fp32 or bf16")
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    gpus = torch.cuda.device_count() if args.cuda else 0  # under torchrun, worker i takes GPU (i mod gpus)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus) if gpus else torch.device("cpu")
     native, hardware = bf16_is_native(device)
     precision = ("bf16" if native else "fp32") if args.precision == "auto" else args.precision
     chunk = (0 if device.type == "cuda" else CPU_MICRO_BATCH) if args.micro_batch_size is None else args.micro_batch_size
@@ -182,28 +177,25 @@ def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
 
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
-    """Estimate the run's memory and stop with one line if it cannot fit. Returns (needed, free)."""
+    """Estimate the memory of this machine's workers on this device; stop with one line if it cannot fit.
+    Returns (needed, free); free is -1 where it cannot be read (no /proc/meminfo), and nothing is refused."""
     states = plan.aux_slots * args.num_envs * args.num_steps
     largest = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)  # the largest minibatch
     chunk = min(args.micro_batch_size, largest) if args.micro_batch_size else largest
-    needed = (PROCESS_BYTES
-              + plan.buffer_bytes  # uint8 observations of every rollout of the phase
-              + states * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
-              + plan.batch_size * 4 * 8  # one rollout's actions, log-probs, values, rewards, ...
-              + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1))  # one chunk's activations
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        where = "GPU memory"
-    else:
-        try:
-            free = int(next(line for line in open("/proc/meminfo") if line.startswith("MemAvailable")).split()[1]) * 1024
-        except (OSError, StopIteration):
-            return needed, -1  # no /proc (not Linux): cannot tell, so do not guess
-        where = "RAM"
-    if needed > free:
-        raise ArgError(f"this run needs about {needed / 2**30:.1f} GiB of {where} (the observation buffer alone "
-                       f"is {plan.buffer_bytes / 2**30:.1f} GiB) but only {free / 2**30:.1f} GiB is free; "
-                       f"shrink it with a smaller --n-pi, --num-envs, --num-steps or --micro-batch-size")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its RAM, or its GPUs
+    sharing = -(-local // torch.cuda.device_count()) if device.type == "cuda" else local
+    needed = sharing * (PROCESS_BYTES
+                        + plan.buffer_bytes  # uint8 observations of every rollout of the phase
+                        + states * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
+                        + plan.batch_size * 4 * 8  # one rollout's actions, log-probs, values, rewards, ...
+                        + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1))  # one chunk's activations
+    where, free = ("GPU memory", torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else ("RAM", -1)
+    if device.type == "cpu" and os.path.exists("/proc/meminfo"):
+        free = int(next(line for line in open("/proc/meminfo") if line.startswith("MemAvailable")).split()[1]) * 1024
+    if needed > free >= 0:
+        raise ArgError(f"this run needs about {needed / 2**30:.1f} GiB of {where} (an observation buffer of "
+                       f"{plan.buffer_bytes / 2**30:.1f} GiB{f' in each of {sharing} workers' if sharing > 1 else ''}) but only "
+                       f"{free / 2**30:.1f} GiB is free; shrink it with a smaller --n-pi, --num-envs, --num-steps or --micro-batch-size")
     return needed, free
 
 
@@ -213,8 +205,7 @@ def check_env_args(args: Args) -> None:
         raise ArgError(f"--env-id {args.env_id!r} is not a Procgen game; use one of: {', '.join(PROCGEN_GAMES)}")
     if args.distribution_mode not in NORMALISATION:
         raise ArgError(f"--distribution-mode {args.distribution_mode!r} is unknown; use easy or hard")
-    for flag, value, least in [("--num-levels", args.num_levels, 0), ("--start-level", args.start_level, 0),
-                               ("--num-eval-envs", args.num_eval_envs, 1)]:
+    for flag, value, least in [("--num-levels", args.num_levels, 0), ("--start-level", args.start_level, 0)]:
         if value < least:
             raise ArgError(f"{flag} must be at least {least} (got {value})")
 
@@ -226,30 +217,25 @@ class ProcgenVecEnv:
 
     def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int):
         with contextlib.suppress(ImportError):  # gym 0.26 (procgen's dependency) prints a 4-line notice from this table
-            import gym_notices.notices
-
-            gym_notices.notices.notices.clear()
+            __import__("gym_notices.notices").notices.notices.clear()
         from procgen import ProcgenEnv  # imported here so the flags are checked before gym loads
 
         self.env = ProcgenEnv(num_envs=num_envs, env_name=args.env_id, num_levels=num_levels,
                               start_level=start_level, distribution_mode=args.distribution_mode, rand_seed=seed)
         self.num_envs, self.num_actions = num_envs, self.env.action_space.n
-        self.returns = np.zeros(num_envs, dtype=np.float64)
-        self.lengths = np.zeros(num_envs, dtype=np.int64)
+        self.returns, self.lengths = np.zeros(num_envs, dtype=np.float64), np.zeros(num_envs, dtype=np.int64)
 
     def reset(self) -> np.ndarray:
-        obs = self.env.reset()["rgb"]
-        return obs
+        return self.env.reset()["rgb"]
 
     def step(self, actions: np.ndarray):
-        obs, rewards, dones, _ = self.env.step(actions.astype(np.int32))
-        obs = obs["rgb"]
+        obs_dict, rewards, dones, _ = self.env.step(actions.astype(np.int32))
         self.returns += rewards
         self.lengths += 1
         finished = [(i, float(self.returns[i]), int(self.lengths[i])) for i in np.flatnonzero(dones)]
         self.returns[dones] = 0.0
         self.lengths[dones] = 0
-        return obs, rewards, dones, finished
+        return obs_dict["rgb"], rewards, dones, finished
 
     def close(self) -> None:
         self.env.close()
@@ -297,14 +283,8 @@ class ImpalaEncoder(nn.Module):
     def forward(self, obs_uint8: torch.Tensor) -> torch.Tensor:
         # The one place frames become floats: a (B, H, W, C) uint8 batch, never a float buffer.
         # permute() keeps the NHWC memory order, so the convs run channels_last (faster on CPU).
-        x = obs_uint8.permute(0, 3, 1, 2).float().div_(255.0)
-        x = self.convs(x)
+        x = self.convs(obs_uint8.permute(0, 3, 1, 2).float().div_(255.0))
         return F.relu(self.dense(F.relu(x.flatten(1))))
-
-
-def init_head_(layer: nn.Linear, role: str) -> nn.Linear:
-    """Policy and value heads alike: normed, scale 0.1 (the released code)."""
-    return normed_init_(layer, 0.1)
 
 
 class PPGAgent(nn.Module):
@@ -318,10 +298,11 @@ class PPGAgent(nn.Module):
         self.arch, self.bf16 = arch, bf16
         self.pi_trunk = ImpalaEncoder(obs_shape)
         width = self.pi_trunk.out_features
-        self.pi_head = init_head_(nn.Linear(width, num_actions), "policy")
-        self.aux_value_head = init_head_(nn.Linear(width, 1), "value")
+        # Policy and value heads alike: normed, scale 0.1 (the released code)
+        self.pi_head = normed_init_(nn.Linear(width, num_actions), 0.1)
+        self.aux_value_head = normed_init_(nn.Linear(width, 1), 0.1)
         self.v_trunk = ImpalaEncoder(obs_shape) if arch == "dual" else None
-        self.value_head = init_head_(nn.Linear(width, 1), "value")
+        self.value_head = normed_init_(nn.Linear(width, 1), 0.1)
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
         """The one place precision is chosen: with bf16, the trunk's convolutions and matmuls run
@@ -332,13 +313,8 @@ class PPGAgent(nn.Module):
     def forward(self, obs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (policy logits, true value V, auxiliary value V_aux), all fp32."""
         h = self.features(self.pi_trunk, obs)
-        if self.arch == "dual":
-            value = self.value_head(self.features(self.v_trunk, obs))
-        elif self.arch == "detach":
-            value = self.value_head(h.detach())
-        else:
-            value = self.value_head(h)
-        return self.pi_head(h), value.squeeze(-1), self.aux_value_head(h).squeeze(-1)
+        v = self.features(self.v_trunk, obs) if self.arch == "dual" else h.detach() if self.arch == "detach" else h
+        return self.pi_head(h), self.value_head(v).squeeze(-1), self.aux_value_head(h).squeeze(-1)
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """The policy alone (no value network pass): for the pi_old snapshot and evaluation."""
@@ -350,16 +326,14 @@ class PPGAgent(nn.Module):
 
     def value_parameters(self) -> List[nn.Parameter]:
         """theta_V: the value network (dual) or the value head alone (detach, shared)."""
-        trunk = list(self.v_trunk.parameters()) if self.v_trunk is not None else []
-        return [*trunk, *self.value_head.parameters()]
+        return [*(self.v_trunk.parameters() if self.v_trunk is not None else []), *self.value_head.parameters()]
 
 
 # ==== 5. Small pieces, each a plain function or class the tests call directly =============================
 class RewardNormalizer:
-    """Divide rewards by the running std of each env's discounted return (no mean subtraction),
-    then clip: the released code's scheme, which keeps value targets near unit scale. As there, it
-    takes a whole rollout: the statistics are updated with every step's return first, then the
-    whole rollout is scaled by them."""
+    """Divide rewards by the running std of each env's discounted return (no mean subtraction), then clip: the
+    released code's scheme, which keeps value targets near unit scale. As there, it takes a whole rollout: the
+    statistics take every step's return of every worker's envs first (one shared scale), then it scales them."""
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, epsilon: float = 1e-8):
         self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
@@ -373,17 +347,16 @@ class RewardNormalizer:
             self.ret = self.ret * self.gamma + rewards[:, t]
             rets[:, t] = self.ret
             self.ret[dones[:, t]] = 0.0  # the episode ended with this reward
-        self._update(rets.ravel())
+        self._update(*global_moments(torch.from_numpy(rets)))
         return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
 
     def state_dict(self) -> Dict:
-        return dict(ret=torch.from_numpy(self.ret.copy()), mean=float(self.mean), var=float(self.var), count=float(self.count))
+        return dict(mean=float(self.mean), var=float(self.var), count=float(self.count))  # not `ret`: the envs restart
 
     def load_state_dict(self, state: Dict) -> None:
-        self.ret, self.mean, self.var, self.count = state["ret"].numpy().copy(), state["mean"], state["var"], state["count"]
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
 
-    def _update(self, x: np.ndarray) -> None:  # parallel (Chan et al.) update of mean and variance
-        n, mean, var = x.size, x.mean(), x.var()
+    def _update(self, n: float, mean: float, var: float) -> None:  # parallel (Chan et al.) merge of a batch's moments
         delta, total = mean - self.mean, self.count + n
         self.mean += delta * n / total
         self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
@@ -391,9 +364,8 @@ class RewardNormalizer:
 
 
 def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
-    """Generalised advantage estimation over (num_envs, num_steps) tensors.
-    ended[:, t] is True when step t's transition ended its episode (the value after it is 0).
-    Returns (advantages, returns = advantages + values)."""
+    """Generalised advantage estimation over (num_envs, num_steps) tensors; ended[:, t] is True when step t's
+    transition ended its episode (the value after it is 0). Returns (advantages, returns = advantages + values)."""
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[1])):
         following = next_value if t == rewards.shape[1] - 1 else values[:, t + 1]
@@ -437,19 +409,16 @@ def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: floa
 
 
 def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]):
-    """Backpropagate the mean loss over n states in chunks of `chunk` (0 = all at once).
-    Each chunk's mean loss is weighted by its share of n, so the summed gradient equals that of
-    one pass over all n, while only one chunk's activations are alive at a time.
-    Returns the (detached) statistics of loss_fn, averaged the same way."""
-    chunk = chunk or n
-    stats: Dict[str, torch.Tensor] = {}
+    """Backpropagate the mean loss over n states in chunks of `chunk` (0 = all at once). Each chunk's mean loss is
+    weighted by its share of n, so the summed gradient equals that of one pass over all n, while only one chunk's
+    activations are alive at a time. Returns the (detached) statistics of loss_fn, averaged the same way."""
+    chunk, stats = chunk or n, {}
     for start in range(0, n, chunk):
         part = slice(start, min(start + chunk, n))
         weight = (part.stop - part.start) / n
         loss, chunk_stats = loss_fn(part)
-        if not torch.isfinite(loss):
-            bad = [k for k, v in chunk_stats.items() if not torch.isfinite(v)]
-            raise NonFiniteError(f"non-finite loss ({', '.join(bad) or 'total'})")
+        if not torch.isfinite(loss):  # name the culprits
+            raise NonFiniteError(f"non-finite loss ({', '.join(k for k, v in chunk_stats.items() if not torch.isfinite(v)) or 'total'})")
         (loss * weight).backward()
         for k, v in chunk_stats.items():
             stats[k] = stats.get(k, 0.0) + weight * v.detach()
@@ -457,36 +426,34 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float) -> None:
-    """Adam step, after clipping the gradient norm of theta_pi and of theta_V separately (if asked),
-    so that one network's gradient never rescales the other's update. A non-finite gradient stops the run."""
+    """Adam step on the gradient averaged over the workers, after clipping the norms of theta_pi's and theta_V's
+    gradients separately (if asked: one network's gradient never rescales the other's update). Then the gradients
+    are dropped, so none crosses into the next step or phase (both optimizers share the parameters' .grad)."""
+    average_gradients(agent.parameters())
     if not torch.isfinite(sum(p.grad.norm() for p in agent.parameters() if p.grad is not None)):
         raise NonFiniteError("non-finite gradient")
     if max_grad_norm > 0:
         nn.utils.clip_grad_norm_(agent.policy_parameters(), max_grad_norm)
         nn.utils.clip_grad_norm_(agent.value_parameters(), max_grad_norm)
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
 def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
-    """pi_old for the auxiliary phase: the logits of the policy as it stands NOW (after the policy
-    phase) on every state of the buffer, not the rollout-time ones. Logits, not log-probabilities:
-    clone_kl then normalises both sides by the same computation, so an unchanged policy gives a KL
-    of exactly 0 where the logits are bitwise the same. Shape (trajectories, steps, actions), float32."""
-    flat = obs_buffer.flatten(0, 1)
-    out = torch.empty(flat.shape[0], agent.pi_head.out_features, device=flat.device)
-    for start in range(0, flat.shape[0], chunk):
-        out[start:start + chunk] = agent.logits(flat[start:start + chunk])
-    return out.view(*obs_buffer.shape[:2], -1)
+    """pi_old for the auxiliary phase: the logits of the policy as it stands NOW (after the policy phase) on every
+    state of the buffer, not the rollout-time ones. Logits, not log-probabilities: clone_kl normalises both sides
+    alike, so an unchanged policy gives a KL of exactly 0. Shape (trajectories, steps, actions), float32."""
+    return torch.cat([agent.logits(part) for part in obs_buffer.flatten(0, 1).split(chunk)]).view(*obs_buffer.shape[:2], -1)
 
 
 # ==== 6. The two phases ===================================================================================
 def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
                         args: Args, plan: Plan) -> Dict[str, float]:
-    """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout.
-    Both losses of an epoch share each minibatch's backward pass, as in the released code; for dual
-    and detach the two losses touch disjoint parameters, so this equals two separate loops.
-    The auxiliary value head gets no gradient here. Returns means over all minibatches."""
+    """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout. Both losses of
+    an epoch share each minibatch's backward pass, as in the released code; for dual and detach they touch disjoint
+    parameters, so this equals two separate loops. The auxiliary value head gets no gradient here. Returns means
+    over all minibatches (and workers)."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
     for epoch in range(max(args.e_pi, args.e_v)):
         train_pi, train_v = epoch < args.e_pi, epoch < args.e_v
@@ -507,12 +474,11 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
                     stats.update(value_loss=v_loss)
                 return loss, stats
 
-            optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
             optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
                 logs[k].append(v)
-    return {k: float(torch.stack(v).mean()) for k, v in logs.items()}
+    return mean_over_workers(logs)
 
 
 def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffer: torch.Tensor,
@@ -524,20 +490,12 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
     t0 = time.perf_counter()
     old_logits = snapshot_policy(agent, obs_buffer, chunk)
-    snapshot_s = time.perf_counter() - t0
-    # Phase boundary: both optimizers hold the same parameters, hence the same .grad tensors; zeroing
-    # here and on the way out means no gradient crosses between the phases either way.
-    optimizer.zero_grad(set_to_none=True)
-
-    epochs, stopped_early = [], False
+    snapshot_s, epochs, stopped_early = time.perf_counter() - t0, [], False
     for epoch in range(args.e_aux):
         logs = defaultdict(list)
-        minibatches = torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories)
-        for traj in minibatches:
+        for traj in torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories):
             # Whole trajectories: each one is a contiguous row block of the buffer.
-            obs = obs_buffer[traj].flatten(0, 1)
-            targets = returns_buffer[traj].flatten()
-            old = old_logits[traj].flatten(0, 1)
+            obs, targets, old = obs_buffer[traj].flatten(0, 1), returns_buffer[traj].flatten(), old_logits[traj].flatten(0, 1)
 
             def loss_fn(part: slice):
                 logits, values, aux_values = agent(obs[part])
@@ -545,21 +503,77 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
                 l_value = value_loss(values, targets[part])
                 return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
-            optimizer.zero_grad(set_to_none=True)
             stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
             optimizer_step(optimizer, agent, args.max_grad_norm)
             for k, v in stats.items():
                 logs[k].append(v)
-        epochs.append({k: float(torch.stack(v).mean()) for k, v in logs.items()})
+        epochs.append(mean_over_workers(logs))  # every worker sees the same means: the KL guard stops them all at once
         if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop and epoch < args.e_aux - 1:
             stopped_early = True  # only when an epoch is actually skipped
             break
-    optimizer.zero_grad(set_to_none=True)  # phase boundary, on the way back to the policy phase
     return dict(epochs=epochs, stopped_early=stopped_early, snapshot_s=snapshot_s,
                 aux_s=time.perf_counter() - t0 - snapshot_s)
 
 
-# ==== 7. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals ================
+# ==== 7. Data parallel: torchrun's workers, as the released code's MPI ranks ==============================
+# Each worker steps its own envs into its own buffers; the update sees them all: gradients averaged before every optimizer
+# step, advantages and reward scale from moments over all workers, statistics (so the KL guard) averaged. Without torchrun
+# each function here is the identity. GRAD_ALLREDUCE_S: seconds spent averaging gradients (slowest-worker waits included).
+GRAD_ALLREDUCE_S = [0.0]
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """x summed, averaged (`mean`) or maximised (`max`) over the workers, as a new tensor on x's device."""
+    if not dist.is_initialized():
+        return x
+    y = x.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)  # nccl reduces on GPUs, gloo on CPUs
+    dist.all_reduce(y, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return (y / dist.get_world_size() if op == "mean" else y).to(x.device)
+
+
+def global_moments(x: torch.Tensor) -> Tuple[float, float, float]:
+    """(count, mean, variance) of the elements of x on all workers together, in float64."""
+    x = x.double()
+    n, total, squares = all_reduce(torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()])).tolist()
+    return n, total / n, max(squares / n - (total / n) ** 2, 0.0)
+
+
+def mean_over_workers(logs: Dict[str, List[torch.Tensor]]) -> Dict[str, float]:
+    """Each statistic's mean over all minibatches and all workers (one all-reduce for all of them)."""
+    return dict(zip(logs, all_reduce(torch.stack([torch.stack(v).mean() for v in logs.values()]), "mean").tolist()))
+
+
+def average_gradients(parameters) -> None:
+    """Each .grad becomes its mean over the workers: the gradient of the whole global minibatch."""
+    if dist.is_initialized():
+        t0, grads = time.perf_counter(), [p.grad for p in parameters if p.grad is not None]  # the same on all workers
+        flat = all_reduce(torch.cat([g.flatten() for g in grads]), "mean")
+        for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(mean.view_as(g))
+        GRAD_ALLREDUCE_S[0] += time.perf_counter() - t0
+
+
+def gather(items: list) -> list:
+    """Every worker's list, concatenated in rank order (this worker's list without torchrun)."""
+    parts = [items]
+    if dist.is_initialized():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
+
+
+def start_workers(device: torch.device, agent: nn.Module) -> None:
+    """Join torchrun's process group (nccl where each worker has a GPU of its own; gloo on CPUs and shared GPUs),
+    then copy rank 0's parameters to every worker. A collective kept waiting 30 minutes fails the run."""
+    nccl = device.type == "cuda" and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
+    if nccl:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(minutes=30))
+    for tensor in agent.state_dict().values():  # broadcast as a sum: rank 0's values plus zeros, exactly rank 0's
+        tensor.copy_(all_reduce(tensor if dist.get_rank() == 0 else torch.zeros_like(tensor)))
+
+
+# ==== 8. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals ================
 CHECKPOINT_FORMAT = 1
 SCRIPT = os.path.basename(__file__)
 # The flags --resume takes from the command line; the others come from the checkpoint.
@@ -568,13 +582,12 @@ RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_siz
 
 def model_file(args: Args, run_name: str, agent: nn.Module) -> Dict:
     """What --save-model writes, and every checkpoint holds: enough to rebuild and run the policy."""
-    return dict(format=CHECKPOINT_FORMAT, script=SCRIPT, run_name=run_name, args=dataclasses.asdict(args),
-                agent=agent.state_dict())
+    return dict(format=CHECKPOINT_FORMAT, script=SCRIPT, run_name=run_name, args=dataclasses.asdict(args), agent=agent.state_dict())
 
 
 def save_checkpoint(path: str, state: Dict) -> float:
-    """Write atomically: a temporary file, flushed and fsynced, then renamed over the old checkpoint,
-    so a crash mid-write leaves the previous one intact. Returns the seconds it took."""
+    """Write atomically (a temporary file, fsynced, renamed over the old one): a crash mid-write leaves the previous
+    checkpoint intact. Returns the seconds it took."""
     t0 = time.time()
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
@@ -603,9 +616,8 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
 
 
 def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict]:
-    """The checkpointed run's flags, with those of RESUMABLE that this command line gives. A training
-    flag given with another value than the checkpoint's is refused. `given`: the flags named on the
-    command line (None: those that differ from their defaults, for calls from Python)."""
+    """The checkpointed run's flags, with those of RESUMABLE that this command line gives; a training flag given with
+    another value is refused. `given`: the flags named on the command line (None: those off their defaults)."""
     state, defaults = load_checkpoint(args.resume), Args()
     saved = state["args"]
     given = {n for n, v in dataclasses.asdict(args).items() if v != getattr(defaults, n)} if given is None else given
@@ -617,21 +629,6 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict]:
     if keep.get("total_timesteps", saved["total_timesteps"]) < saved["total_timesteps"]:
         raise ArgError(f"--total-timesteps may only be raised on --resume (the checkpoint's is {saved['total_timesteps']:,})")
     return dataclasses.replace(Args(**saved), **keep), state
-
-
-def rng_state() -> Dict:
-    """Python, numpy, torch (and CUDA) random streams, as tensors and plain values."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return dict(python=random.getstate(), numpy=(kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-                torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
-
-
-def set_rng_state(state: Dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state((state["numpy"][0], state["numpy"][1].numpy().astype(np.uint32), *state["numpy"][2:]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class StopSignal:
@@ -649,7 +646,7 @@ class StopSignal:
         os.write(1, f"\n{signal.Signals(signum).name}: stopping at the next rollout boundary (again: stop now)\n".encode())
 
 
-# ==== 8. Evaluation on unseen levels, and main(): the paper's Algorithm 1 =================================
+# ==== 9. Evaluation on unseen levels, and main(): the paper's Algorithm 1 =================================
 def normalised_score(args: Args, episode_return: float) -> float:
     r_min, r_max = NORMALISATION[args.distribution_mode][args.env_id]
     return (episode_return - r_min) / (r_max - r_min)
@@ -657,73 +654,74 @@ def normalised_score(args: Args, episode_return: float) -> float:
 
 @torch.no_grad()
 def evaluate(agent: PPGAgent, args: Args, device: torch.device) -> List[float]:
-    """One episode in each of --num-eval-envs envs on the full level distribution (levels outside
-    the training set), sampling from the policy as in training. Same eval levels every time."""
-    envs = ProcgenVecEnv(args, args.num_eval_envs, num_levels=0, start_level=0, seed=args.seed + 1_000_003)
-    obs, returns = envs.reset(), {}
+    """One episode in each of --num-envs envs on unseen levels (the full distribution; the same ones every time)."""
+    envs, returns = ProcgenVecEnv(args, args.num_envs, num_levels=0, start_level=0, seed=args.seed + 1_000_003), {}
+    obs = envs.reset()
     while len(returns) < envs.num_envs:
-        logits = agent.logits(torch.from_numpy(obs).to(device))
-        actions = torch.distributions.Categorical(logits=logits).sample()
+        actions = torch.distributions.Categorical(logits=agent.logits(torch.from_numpy(obs).to(device))).sample()
         obs, _, _, finished = envs.step(actions.cpu().numpy())
-        for i, ep_return, _ in finished:
-            returns.setdefault(i, ep_return)  # the first episode of each env
+        returns.update({i: ep_return for i, ep_return, _ in finished if i not in returns})  # each env's first episode
     envs.close()
     return list(returns.values())
 
 
 def eta_seconds(args: Args, plan: Plan, iterations_done: int, aux_phases_left: int, spent: Dict[str, float]) -> float:
-    """Time left: the remaining rollouts and aux phases at their measured costs. Until an aux phase
-    has run, its cost is the policy update's per state and epoch (an aux epoch does the same
-    forward+backward per state) times E_aux + 1/3 (the snapshot's forward pass) epochs."""
-    if spent["aux_phases"]:
-        per_aux = (spent["snapshot"] + spent["aux_epochs"]) / spent["aux_phases"]
-    else:
-        per_state_epoch = spent["policy_update"] / (iterations_done * plan.batch_size * max(args.e_pi, args.e_v))
-        per_aux = per_state_epoch * plan.aux_slots * plan.batch_size * (args.e_aux + 1 / 3)
+    """Time left at the measured costs. Until an aux phase has run, it costs the policy update's time per rollout and
+    epoch (the same forward+backward) x its rollouts x E_aux + 1/3 epochs (the snapshot: a forward pass, a third)."""
+    per_aux = ((spent["snapshot"] + spent["aux_epochs"]) / spent["aux_phases"] if spent["aux_phases"] else
+               spent["policy_update"] / (iterations_done * max(args.e_pi, args.e_v)) * plan.aux_slots * (args.e_aux + 1 / 3))
     per_iteration = (spent["rollout"] + spent["policy_update"]) / iterations_done
     return (plan.num_iterations - iterations_done) * per_iteration + aux_phases_left * per_aux
 
 
 def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
-    """Train; returns each phase's speed figures (tools/benchmark.py reads them). `given`: see resume_args."""
+    """Train; returns each phase's speed figures (tools/benchmark.py reads them). `given`: see resume_args.
+    Under torchrun every worker runs this (torchrun sets RANK and WORLD_SIZE); rank 0 alone prints and writes."""
+    rank, workers = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    launch = f"torchrun --standalone --nproc-per-node {workers}" if workers > 1 else "python"
     try:
         args, ckpt = resume_args(args, given) if args.resume else (args, None)
+        if ckpt and ckpt.get("workers", 1) != workers:  # else the global batch would change
+            raise ArgError(f"--resume: the run had {ckpt.get('workers', 1)} workers and resumes with as many, not {workers}")
         args, device, precision_why = resolve_hardware(args)
-        plan = make_plan(args)
+        plan = make_plan(args, workers)
         mem_needed, mem_free = check_memory(args, plan, device)
     except ArgError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if rank == 0 else 2)  # one line, from rank 0 alone
+    if rank:
+        sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
 
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     # Phases and rollouts done: none, or the checkpoint's; the remaining rollouts run N_pi to a phase.
-    phase, iteration = (ckpt["phase"], ckpt["global_step"] // plan.batch_size) if ckpt else (0, 0)
+    phase, iteration = (ckpt["phase"], ckpt["global_step"] // (plan.batch_size * workers)) if ckpt else (0, 0)
     num_phases = phase + -(-(plan.num_iterations - iteration) // args.n_pi)
-    print(f"run {run_name} on {device}: {num_phases} phases x N_pi={args.n_pi} iterations = "
-          f"{plan.num_iterations} rollouts of {args.num_envs} envs x {args.num_steps} steps = "
-          f"{plan.total_env_steps:,} env steps" +
-          (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
-           if plan.total_env_steps != args.total_timesteps else ""))
-    aux_plan = (f"{max(num_phases - phase - 1, 0) if args.e_aux else 0} auxiliary phases of {plan.aux_minibatches} minibatches x "
-                f"{args.aux_mb_trajectories * args.num_steps} states" if plan.num_aux_phases else "no auxiliary phase")
-    print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; {aux_plan}; "
-          f"PPO minibatch {plan.minibatch_size} states; observation buffer {plan.buffer_bytes / 2**30:.2f} GiB uint8; "
+    k_x = f"{workers} workers x " if workers > 1 else ""
+    print(f"run {run_name} on {device}: {num_phases} phases x N_pi={args.n_pi} iterations = {plan.num_iterations} rollouts "
+          f"of {k_x}{args.num_envs} envs x {args.num_steps} steps = {plan.total_env_steps:,} env steps" +
+          (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)" if plan.total_env_steps != args.total_timesteps else ""))
+    aux_plan = (f"{max(num_phases - phase - 1, 0) if args.e_aux else 0} auxiliary phases of {plan.aux_minibatches} minibatches "
+                f"x {k_x}{args.aux_mb_trajectories * args.num_steps} states" if plan.num_aux_phases else "no auxiliary phase")
+    print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; {aux_plan}; PPO "
+          f"minibatch {k_x}{plan.minibatch_size} states; observation buffer {k_x}{plan.buffer_bytes / 2**30:.2f} GiB uint8; "
           f"estimated need {mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
     print(f"precision {args.precision} ({precision_why}); forward/backward in chunks of {args.micro_batch_size or 'whole minibatches of'} states")
 
     from torch.utils.tensorboard import SummaryWriter
 
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step twice.
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=ckpt["global_step"] + 1 if ckpt else None)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    writer = SummaryWriter(f"runs/{run_name}", purge_step=ckpt["global_step"] + 1 if ckpt else None) if rank == 0 else None
+    if writer:  # rank 0 alone writes files
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    log = writer.add_scalar if writer else lambda tag, value, step: None
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    # One random stream per start and worker: --seed, shifted by the phases done (so a resumed run is reproducible
+    # too) and by the rank (so no two workers play the same levels or sample the same actions).
+    seed = args.seed + 100_003 * phase + rank * args.num_envs
+    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # ---- Environment: training levels [start_level, start_level + num_levels), seeded by --seed
-    # (and, on --resume, by the phases done: a resumed run is reproducible too) ----
-    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, args.seed + 100_003 * phase)
+    # ---- Environment: training levels [start_level, start_level + num_levels), level sequence seeded by `seed` ----
+    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
     # ---- Networks and the two optimizers (each persists across phases) ----
@@ -731,39 +729,42 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
     aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
 
-    # ---- Buffers. Slot i of the auxiliary buffer IS the rollout buffer of iteration i of a phase:
-    # rollouts are written straight into it as uint8, so the aux buffer costs no copy. Rows are
-    # whole trajectories (num_envs rows per rollout), so aux minibatches gather contiguous rows. ----
+    # ---- Buffers. Slot i of the auxiliary buffer IS the rollout buffer of iteration i of a phase: rollouts are written
+    # straight into it as uint8, so it costs no copy. Rows are whole trajectories (num_envs rows per rollout). ----
     obs_buffer = torch.empty((plan.aux_slots * args.num_envs, args.num_steps, *OBS_SHAPE), dtype=torch.uint8, device=device)
     returns_buffer = torch.zeros((plan.aux_slots * args.num_envs, args.num_steps), device=device)
     shape = (args.num_envs, args.num_steps)
-    actions = torch.zeros(shape, dtype=torch.long, device=device)
+    actions, ended = torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(shape, dtype=torch.bool, device=device)
     logprobs, values, rewards = (torch.zeros(shape, device=device) for _ in range(3))
-    ended = torch.zeros(shape, dtype=torch.bool, device=device)
 
     global_step, aux_epochs_done, start_time, phase_reports = 0, 0, time.time(), []
     spent = dict(rollout=0.0, policy_update=0.0, snapshot=0.0, aux_epochs=0.0, aux_phases=0)  # seconds so far
     recent_returns = deque(maxlen=100)
     # Everything a checkpoint holds with a state_dict: saved at each phase boundary, restored on --resume.
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer, reward_normalizer=reward_normalizer)
-    if ckpt:  # --resume: everything the checkpoint holds, then its random streams
+    if ckpt:  # --resume: everything the checkpoint holds
         for name, thing in stateful.items():
             thing.load_state_dict(ckpt[name])
         global_step, aux_epochs_done, spent = ckpt["global_step"], ckpt["aux_epochs_done"], ckpt["spent"]
         recent_returns.extend(ckpt["recent_returns"])
-        set_rng_state(ckpt["rng"])
-        reward_normalizer.ret[:] = 0.0  # the envs start new episodes
         print(f"resumed from runs/{run_name}/checkpoint.pt after phase {phase}, step {global_step:,}")
-    stop, start_step, checkpointed = StopSignal(), global_step, (phase, global_step) if ckpt else None
+    if workers > 1:
+        start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
+    stop, start_step, checkpointed, signum = StopSignal(), global_step, (phase, global_step) if ckpt else None, 0
 
-    def stop_on_nonfinite(error: NonFiniteError, where: str) -> None:
-        writer.close()
-        sys.exit(f"error: phase {phase}, iteration {iteration}: {error} in the {where}; stopped before the optimizer "
-                 f"step, and the last checkpoint is unchanged")
+    def guarded(where: str, update: Callable, *update_args):
+        """update(*update_args); a non-finite loss or gradient stops the run with one line, before the optimizer step."""
+        try:
+            return update(*update_args)
+        except NonFiniteError as e:
+            if writer:
+                writer.close()
+            sys.exit(f"error: phase {phase}, iteration {iteration}: {e} in the {where}; stopped before the optimizer "
+                     f"step, and the last checkpoint is unchanged")
 
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    while iteration < plan.num_iterations and not stop.signum:
-        phase, phase_start, spent_before = phase + 1, time.time(), dict(spent)
+    while iteration < plan.num_iterations and not signum:
+        phase, phase_start, spent_before, allreduce_before = phase + 1, time.time(), dict(spent), GRAD_ALLREDUCE_S[0]
         phase_iterations = min(args.n_pi, plan.num_iterations - iteration)
         # ============ Policy phase: N_pi iterations of rollout + PPO ============
         for it in range(phase_iterations):
@@ -772,73 +773,63 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             rollout_obs = obs_buffer[rows]
 
             # -- Collect a rollout with the current policy (no autograd) --
-            t0 = time.time()
+            t0, episodes = time.time(), []
             with torch.no_grad():
                 for step in range(args.num_steps):
                     rollout_obs[:, step] = next_obs
                     logits, value, _ = agent(next_obs)
-                    dist = torch.distributions.Categorical(logits=logits)
-                    action = dist.sample()
-                    actions[:, step], logprobs[:, step], values[:, step] = action, dist.log_prob(action), value
+                    pi = torch.distributions.Categorical(logits=logits)
+                    action = pi.sample()
+                    actions[:, step], logprobs[:, step], values[:, step] = action, pi.log_prob(action), value
                     obs_np, reward_np, done_np, finished = envs.step(action.cpu().numpy())
                     rewards[:, step] = torch.from_numpy(reward_np).to(device)
                     ended[:, step] = torch.from_numpy(done_np).to(device)
                     next_obs = torch.from_numpy(obs_np).to(device)
-                    global_step += args.num_envs
-                    for _, ep_return, ep_length in finished:  # every finished episode, raw game reward
-                        writer.add_scalar("charts/episodic_return", ep_return, global_step)
-                        writer.add_scalar("charts/episodic_length", ep_length, global_step)
-                        writer.add_scalar("charts/normalized_return", normalised_score(args, ep_return), global_step)
-                        recent_returns.append(ep_return)
+                    global_step += args.num_envs * workers  # the workers step in lockstep
+                    episodes += [(global_step, ep_return, ep_length) for _, ep_return, ep_length in finished]
                 if args.norm_reward:  # once per rollout: update the return statistics, then scale
                     rewards.copy_(torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ended.cpu().numpy())))
                 # -- GAE with the value network's predictions; V_hat = V + A --
-                advantages, returns = compute_gae(rewards, values, ended, agent(next_obs)[1],
-                                                  args.gamma, args.gae_lambda)
+                advantages, returns = compute_gae(rewards, values, ended, agent(next_obs)[1], args.gamma, args.gae_lambda)
+            for step, ep_return, ep_length in gather(episodes):  # every finished episode of every worker, raw game reward
+                log("charts/episodic_return", ep_return, step)
+                log("charts/episodic_length", ep_length, step)
+                log("charts/normalized_return", normalised_score(args, ep_return), step)
+                recent_returns.append(ep_return)
             spent["rollout"] += time.time() - t0
 
-            # -- E_pi epochs of PPO on the policy, E_V epochs of value loss (advantages normalised once) --
-            t0 = time.time()
+            # -- E_pi epochs of PPO on the policy, E_V epochs of value loss (advantages normalised once, over all workers) --
+            t0, (_, adv_mean, adv_var) = time.time(), global_moments(advantages)
             batch = dict(obs=rollout_obs.flatten(0, 1), actions=actions.flatten(), logprobs=logprobs.flatten(),
-                         advantages=((advantages - advantages.mean()) / (advantages.std() + 1e-8)).flatten(),
-                         returns=returns.flatten())
-            try:
-                stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
-            except NonFiniteError as e:
-                stop_on_nonfinite(e, "policy update")
+                         advantages=((advantages - adv_mean) / (math.sqrt(adv_var) + 1e-8)).flatten(), returns=returns.flatten())
+            stats = guarded("policy update", policy_phase_update, agent, policy_optimizer, batch, args, plan)
             spent["policy_update"] += time.time() - t0
+            returns_buffer[rows] = returns  # V_hat for the auxiliary phase (the observations are already in place)
 
-            # -- Store V_hat for the auxiliary phase (the observations are already in place) --
-            returns_buffer[rows] = returns
-
-            var_y = returns.var()
-            explained_var = float("nan") if var_y == 0 else float(1 - (returns - values).var() / var_y)
+            var_y = global_moments(returns)[2]
+            explained_var = float("nan") if var_y == 0 else 1 - global_moments(returns - values)[2] / var_y
             for k, v in stats.items():
-                writer.add_scalar(f"losses/{k}", v, global_step)
-            writer.add_scalar("losses/explained_variance", explained_var, global_step)
-            writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
+                log(f"losses/{k}", v, global_step)
+            log("losses/explained_variance", explained_var, global_step)
             sps = int((global_step - start_step) / (time.time() - start_time))
-            writer.add_scalar("charts/SPS", sps, global_step)
+            log("charts/SPS", sps, global_step)
             eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, spent)
-            mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-            print(f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations} "
-                  f"step {global_step:,}/{plan.total_env_steps:,} SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} "
-                  f"return(last {len(recent_returns)}) {mean_return} policy_loss {stats['policy_loss']:.4f} "
+            print(f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations} step {global_step:,}/{plan.total_env_steps:,} "
+                  f"SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} return(last {len(recent_returns)}) "
+                  f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f} policy_loss {stats['policy_loss']:.4f} "
                   f"value_loss {stats['value_loss']:.4f}", flush=True)
-            if stop.signum:
+            signum = int(all_reduce(torch.tensor(stop.signum), "max"))  # all workers stop at the same rollout boundary
+            if signum:
                 break
-        if stop.signum:
+        if signum:
             break  # before the aux phase: the run resumes from the last phase boundary
 
         # ============ Auxiliary phase: snapshot pi_old, E_aux epochs, then the buffer is reused ============
         aux = None
         if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing uses it
-            try:
-                aux = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
-            except NonFiniteError as e:
-                stop_on_nonfinite(e, "auxiliary phase")
+            aux = guarded("auxiliary phase", auxiliary_phase, agent, aux_optimizer, obs_buffer, returns_buffer, args)
             aux_epochs_done += len(aux["epochs"])
-            writer.add_scalar("charts/aux_epochs", len(aux["epochs"]), global_step)
+            log("charts/aux_epochs", len(aux["epochs"]), global_step)
             if aux["stopped_early"]:
                 print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
                       f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
@@ -846,49 +837,56 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
                          aux_phases=spent["aux_phases"] + 1)
 
         phase_s = time.time() - phase_start
-        # ---- Generalisation: the current policy on unseen levels, once per phase ----
-        if args.num_levels > 0:
+        if args.num_levels > 0 and rank == 0:  # generalisation: the policy on unseen levels, once per phase (all are alike)
             eval_returns = evaluate(agent, args, device)
-            writer.add_scalar("eval/episodic_return", np.mean(eval_returns), global_step)
-            writer.add_scalar("eval/normalized_return", np.mean([normalised_score(args, r) for r in eval_returns]), global_step)
+            log("eval/episodic_return", np.mean(eval_returns), global_step)
+            log("eval/normalized_return", np.mean([normalised_score(args, r) for r in eval_returns]), global_step)
             print(f"phase {phase}: unseen-level return {np.mean(eval_returns):.2f} over {len(eval_returns)} episodes", flush=True)
 
-        # ---- Per-phase report: where the time went, the forward+backward states/s the networks ran at,
-        # peak memory against the buffer's size; then the checkpoint, where --resume continues ----
+        # ---- Per-phase report: where the time went (the gradient all-reduce is inside the update and aux epochs), a
+        # worker's forward+backward states/s, peak memory; a check that all workers hold the same parameters; then
+        # the checkpoint, where --resume continues ----
         timings = {k: spent[k] - spent_before[k] for k in ("rollout", "policy_update", "snapshot", "aux_epochs")}
+        timings["grad_allreduce"] = GRAD_ALLREDUCE_S[0] - allreduce_before  # 0 without torchrun
         for k, v in timings.items():
-            writer.add_scalar(f"timing/{k}_s", v, global_step)
-        steps = phase_iterations * plan.batch_size
-        report = dict(whole_phase_sps=steps / phase_s, policy_phase_sps=steps / (timings["rollout"] + timings["policy_update"]),
+            log(f"timing/{k}_s", v, global_step)
+        steps = phase_iterations * plan.batch_size  # of one worker
+        report = dict(whole_phase_sps=steps * workers / phase_s,
+                      policy_phase_sps=steps * workers / (timings["rollout"] + timings["policy_update"]),
                       update_states_per_s=steps * max(args.e_pi, args.e_v) / timings["policy_update"],
                       aux_states_per_s=len(aux["epochs"]) * obs_buffer.shape[:2].numel() / aux["aux_s"] if aux else 0.0)
-        phase_reports.append(report)
+        phase_reports.append(dict(report, grad_allreduce_s=timings["grad_allreduce"]))
         peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-        writer.add_scalar("charts/peak_memory_GiB", peak / 2**30, global_step)
+        log("charts/peak_memory_GiB", peak / 2**30, global_step)
+        if len(set(gather([float(sum(p.detach().double().sum() for p in agent.parameters()))]))) > 1:
+            sys.exit(f"error: phase {phase}: the workers' parameters differ; a bug in {SCRIPT}, please report it")
         checkpoint_s = save_checkpoint(f"runs/{run_name}/checkpoint.pt", dict(
-            model_file(args, run_name, agent), **{name: thing.state_dict() for name, thing in stateful.items()}, rng=rng_state(),
-            global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns), spent=spent))
+            model_file(args, run_name, agent), **{name: thing.state_dict() for name, thing in stateful.items()}, workers=workers,
+            global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns),
+            spent=spent)) if rank == 0 else 0.0
         checkpointed = (phase, global_step)
         # aux/ tags (x-axis: aux epochs run) only now: purge_step covers env steps, not epochs
         for epoch, epoch_stats in enumerate(aux["epochs"] if aux else []):
             for k, v in epoch_stats.items():
-                writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux["epochs"]) + 1 + epoch)
+                log(f"aux/{k}", v, aux_epochs_done - len(aux["epochs"]) + 1 + epoch)
         print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
-              f"; SPS whole-phase {report['whole_phase_sps']:.0f}, policy-phase {report['policy_phase_sps']:.0f}; "
-              f"forward+backward states/s: update {report['update_states_per_s']:.0f}" +
-              (f", aux epochs {report['aux_states_per_s']:.0f}" if aux else "") + f"; peak {'GPU memory' if device.type == 'cuda' else 'RSS'} "
-              f"{peak / 2**30:.2f} GiB (observation buffer {plan.buffer_bytes / 2**30:.2f} GiB); checkpoint {checkpoint_s:.1f}s",
-              flush=True)
+              f"; SPS whole-phase {report['whole_phase_sps']:.0f}, policy-phase {report['policy_phase_sps']:.0f}; forward+backward "
+              f"states/s a worker: update {report['update_states_per_s']:.0f}" + (f", aux epochs {report['aux_states_per_s']:.0f}; " if aux else "; ") +
+              f"peak {'GPU memory' if device.type == 'cuda' else 'RSS'} {peak / 2**30:.2f} GiB (observation buffer "
+              f"{plan.buffer_bytes / 2**30:.2f} GiB); checkpoint {checkpoint_s:.1f}s", flush=True)
 
     envs.close()
-    writer.close()
-    if stop.signum and iteration < plan.num_iterations:
-        print(f"stopped by {signal.Signals(stop.signum).name} at step {global_step:,}; " + (
-            f"the checkpoint after phase {checkpointed[0]} (step {checkpointed[1]:,}) stays; resume with: python {SCRIPT} "
+    if writer:
+        writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if signum and iteration < plan.num_iterations:
+        print(f"stopped by {signal.Signals(signum).name} at step {global_step:,}; " + (
+            f"the checkpoint after phase {checkpointed[0]} (step {checkpointed[1]:,}) stays; resume with: {launch} {SCRIPT} "
             f"--resume runs/{run_name}" if checkpointed else "no checkpoint had been written yet"))
-        sys.exit(128 + stop.signum)
-    if args.save_model:
+        sys.exit(128 + signum)
+    if args.save_model and rank == 0:
         torch.save(model_file(args, run_name, agent), f"runs/{run_name}/{args.exp_name}.pt")
         print(f"model saved to runs/{run_name}/{args.exp_name}.pt")
     return phase_reports

@@ -6,7 +6,6 @@ import dataclasses
 import math
 import os
 import pathlib
-import random
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import ROOT, SCRIPTS, TINY_FLAGS, load_script, random_batch, read_scalars, run_script
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, load_script, random_batch, run_script
 
 # 10 rollouts of 64 steps in 5 phases of N_pi = 2: long enough to be stopped between checkpoints.
 LONG = ["--total-timesteps", "640"]
@@ -82,12 +81,9 @@ def test_checkpoint_round_trip_is_bitwise(script, tmp_path):
     script.policy_phase_update(agent, opts[0], random_batch(script, 16, 6), args, script.make_plan(args))
     normalizer = script.RewardNormalizer(2, 0.99)
     normalizer(np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32), np.zeros((2, 8), dtype=bool))
-    random.seed(3), np.random.seed(4), torch.manual_seed(5)
     path = str(tmp_path / "checkpoint.pt")
     script.save_checkpoint(path, dict(script.model_file(args, "run", agent), policy_optimizer=opts[0].state_dict(),
-                                      aux_optimizer=opts[1].state_dict(), reward_normalizer=normalizer.state_dict(),
-                                      rng=script.rng_state()))
-    draws = (random.random(), np.random.rand(), torch.rand(3))
+                                      aux_optimizer=opts[1].state_dict(), reward_normalizer=normalizer.state_dict()))
     state = script.load_checkpoint(path)
     assert script.Args(**state["args"]) == args
     restored = script.PPGAgent("dual", script.OBS_SHAPE, 6)
@@ -99,11 +95,8 @@ def test_checkpoint_round_trip_is_bitwise(script, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     other = script.RewardNormalizer(2, 0.99)
     other.load_state_dict(state["reward_normalizer"])
-    assert np.array_equal(other.ret, normalizer.ret) and (other.mean, other.var, other.count) == (
-        normalizer.mean, normalizer.var, normalizer.count)
-    script.set_rng_state(state["rng"])
-    again = (random.random(), np.random.rand(), torch.rand(3))
-    assert draws[0] == again[0] and draws[1] == again[1] and torch.equal(draws[2], again[2])
+    assert (other.mean, other.var, other.count) == (normalizer.mean, normalizer.var, normalizer.count)
+    assert not other.ret.any() and normalizer.ret.any()  # running returns are the envs' and restart with them
 
 
 def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path):

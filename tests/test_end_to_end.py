@@ -13,7 +13,7 @@ EXPECTED_TAGS = [
     "timing/rollout_s", "timing/policy_update_s", "timing/snapshot_s", "timing/aux_epochs_s",
 ]
 EXTRA_FLAGS = {  # each arch's run also exercises one optional feature
-    "dual": ["--num-levels", "10", "--num-eval-envs", "2"],
+    "dual": ["--num-levels", "10"],
     "detach": ["--e-v", "2"],  # E_V > E_pi: a second, value-only epoch
     "shared": ["--save-model", "--max-grad-norm", "0.5"],
 }

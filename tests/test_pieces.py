@@ -1,7 +1,6 @@
 """Unit tests of the pieces each script trains with: losses, GAE, init, reward normaliser,
 chunked gradients, gradient isolation between the phases, the pi_old snapshot, the KL guard."""
 
-import copy
 import math
 
 import numpy as np
@@ -197,8 +196,21 @@ def test_chunked_gradients_equal_whole_minibatch(script, arch):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-7)
 
 
-def _grad_status(params):
-    return [p.grad is not None and bool(torch.count_nonzero(p.grad)) for p in params]
+def _reached_per_step(agent, optimizer):
+    """For each optimizer step, the ids of the parameters a non-zero gradient reached in its backward passes
+    (hooks fire during backward; optimizer_step drops the gradients after each step, so they cannot be read then)."""
+    steps, current = [], set()
+    for p in agent.parameters():
+        p.register_hook(lambda g, p=p: current.add(id(p)) if torch.count_nonzero(g) else None)
+    step = optimizer.step
+
+    def counted_step(*args, **kwargs):
+        steps.append(set(current))
+        current.clear()
+        return step(*args, **kwargs)
+
+    optimizer.step = counted_step
+    return steps
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
@@ -206,11 +218,16 @@ def test_policy_phase_aux_head_gets_no_gradient(script, arch):
     agent = make_agent(script, arch)
     args = small_args(script)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    before = [p.clone() for p in agent.aux_value_head.parameters()]
+    before = [p.clone() for p in [*agent.aux_value_head.parameters(), *agent.pi_head.parameters()]]
+    reached = []  # a hook on each head parameter records every gradient that reaches it
+    for p in [*agent.aux_value_head.parameters(), *agent.pi_head.parameters()]:
+        p.register_hook(lambda g, p=p: reached.append(p))
     script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
-    assert not any(_grad_status(agent.aux_value_head.parameters()))
-    assert all(torch.equal(b, p) for b, p in zip(before, agent.aux_value_head.parameters()))
-    assert all(_grad_status(agent.pi_head.parameters()))  # while the policy did train
+    assert not any(p is q for p in reached for q in agent.aux_value_head.parameters())
+    assert all(torch.equal(b, p) for b, p in zip(before[:2], agent.aux_value_head.parameters()))
+    assert all(any(p is q for q in reached) for p in agent.pi_head.parameters())  # while the policy did train
+    assert not any(torch.equal(b, p) for b, p in zip(before[2:], agent.pi_head.parameters()))
+    assert all(p.grad is None for p in agent.parameters())  # no gradient is left over for the next step or phase
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach"])
@@ -220,16 +237,18 @@ def test_policy_phase_value_loss_never_reaches_policy_trunk(script, arch):
     agent = make_agent(script, arch)
     args = small_args(script, e_pi=1, e_v=2)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    steps = _reached_per_step(agent, opt)
     script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
-    assert not any(_grad_status(agent.policy_parameters()))
-    assert all(_grad_status(agent.value_head.parameters()))
+    assert not any(id(p) in steps[-1] for p in agent.policy_parameters())
+    assert all(id(p) in steps[-1] for p in agent.value_head.parameters())
     # and the PPO loss alone touches no value parameter (E_pi = 2 > E_V = 1)
     agent = make_agent(script, arch)
     args = small_args(script, e_pi=2, e_v=1)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    steps = _reached_per_step(agent, opt)
     script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
-    assert not any(_grad_status(agent.value_parameters()))
-    assert all(_grad_status(agent.pi_head.parameters()))
+    assert not any(id(p) in steps[-1] for p in agent.value_parameters())
+    assert all(id(p) in steps[-1] for p in agent.pi_head.parameters())
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach"])
@@ -317,8 +336,7 @@ def test_plan_counts_and_rounding(script):
     args = small_args(script, num_envs=4, num_steps=8, n_pi=3, total_timesteps=300)  # 32-step rollouts
     plan = script.make_plan(args)
     assert plan.num_iterations == 10 and plan.total_env_steps == 320  # rounded up, never down
-    assert plan.num_phases == 4  # 3 + 3 + 3 + 1
-    assert plan.num_aux_phases == 3  # none after the 10th (last) rollout
+    assert plan.num_aux_phases == 3  # 4 phases (3 + 3 + 3 + 1); none after the 10th (last) rollout
     assert plan.aux_slots == 3 and plan.aux_minibatches == 3 * 4 // 2
     no_aux = script.make_plan(small_args(script, e_aux=0))
     assert no_aux.num_aux_phases == 0 and no_aux.aux_slots == 1
