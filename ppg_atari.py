@@ -441,21 +441,21 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
         part = slice(start, min(start + chunk, n))
         weight = (part.stop - part.start) / n
         loss, chunk_stats = loss_fn(part)
-        if not torch.isfinite(loss):  # name the culprits
-            raise NonFiniteError(f"non-finite loss ({', '.join(k for k, v in chunk_stats.items() if not torch.isfinite(v)) or 'total'})")
         (loss * weight).backward()
         for k, v in chunk_stats.items():
             stats[k] = stats.get(k, 0.0) + weight * v.detach()
     return stats
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float, stats: Dict) -> None:
     """Adam step on the gradient averaged over the workers, after clipping the norms of theta_pi's and theta_V's
     gradients separately (if asked: one network's gradient never rescales the other's update). Then the gradients
-    are dropped, so none crosses into the next step or phase (both optimizers share the parameters' .grad)."""
+    are dropped, so none crosses into the next step or phase (both optimizers share the parameters' .grad).
+    A non-finite gradient, averaged, is seen by every worker at once: all stop, naming this worker's bad losses."""
     average_gradients(agent.parameters())
     if not torch.isfinite(sum(p.grad.norm() for p in agent.parameters() if p.grad is not None)):
-        raise NonFiniteError("non-finite gradient")
+        bad = ", ".join(k for k, v in stats.items() if not torch.isfinite(v)) or "losses finite on this worker"
+        raise NonFiniteError(f"non-finite gradient ({bad})")
     if max_grad_norm > 0:
         nn.utils.clip_grad_norm_(agent.policy_parameters(), max_grad_norm)
         nn.utils.clip_grad_norm_(agent.value_parameters(), max_grad_norm)
@@ -499,7 +499,7 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
                 return loss, stats
 
             stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
-            optimizer_step(optimizer, agent, args.max_grad_norm)
+            optimizer_step(optimizer, agent, args.max_grad_norm, stats)
             for k, v in stats.items():
                 logs[k].append(v)
     return mean_over_workers(logs)
@@ -528,7 +528,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
                 return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
             stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
-            optimizer_step(optimizer, agent, args.max_grad_norm)
+            optimizer_step(optimizer, agent, args.max_grad_norm, stats)
             for k, v in stats.items():
                 logs[k].append(v)
         epochs.append(mean_over_workers(logs))  # every worker sees the same means: the KL guard stops them all at once

@@ -70,3 +70,24 @@ def random_batch(module, n: int, num_actions: int) -> dict:
                 actions=torch.randint(0, num_actions, (n,), generator=g),
                 logprobs=torch.full((n,), -float(torch.log(torch.tensor(float(num_actions))))),
                 advantages=torch.randn(n, generator=g), returns=torch.randn(n, generator=g))
+
+
+def dp_check_setup(module, workers: int):
+    """The same agent and data for one process on the whole batch and for each of `workers` processes on
+    its share: 32 states (4 trajectories of 8 steps); one policy-phase and one auxiliary minibatch each."""
+    args = module.Args(num_envs=4 // workers, num_steps=8, n_pi=1, num_minibatches=1, e_aux=1, aux_mb_trajectories=4 // workers,
+                       micro_batch_size=0, precision="fp32", total_timesteps=10**6, aux_kl_stop=0.0)
+    torch.manual_seed(0)
+    agent = module.PPGAgent("dual", module.OBS_SHAPE, 6)
+    g = torch.Generator().manual_seed(1)
+    obs_buffer = torch.randint(0, 256, (4, 8, *module.OBS_SHAPE), dtype=torch.uint8, generator=g)
+    returns_buffer, values = torch.randn(4, 8, generator=g), torch.randn(32, generator=g) * 3 + 1
+    return agent, args, random_batch(module, 32, 6), obs_buffer, returns_buffer, values
+
+
+def torchrun(workers: int, *argv: str, cwd, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node workers argv...` (one thread a worker), bounded by a timeout
+    so that a hang fails the test instead of the suite."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+                           *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **popen)

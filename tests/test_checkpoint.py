@@ -153,7 +153,7 @@ def test_injected_nan_stops_the_run_and_leaves_the_last_checkpoint_intact(script
         for s, h in handlers.items():
             signal.signal(s, h)
     message = str(stopped.value.code)
-    assert message.startswith("error: phase 2, iteration 3: non-finite loss (value_loss) in the policy update")
+    assert message.startswith("error: phase 2, iteration 3: non-finite gradient (value_loss) in the policy update")
     assert "\n" not in message
     state = script.load_checkpoint(saved[0])
     assert state["phase"] == 1 and all(torch.isfinite(v).all() for v in state["agent"].values())
