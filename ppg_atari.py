@@ -636,6 +636,9 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
         raise ArgError(f"{flag} {path}: written by {script or 'something else'}, not by {SCRIPT}")
     if state.get("format") != CHECKPOINT_FORMAT or not {"run_name", "args", "agent"} <= state.keys():
         raise ArgError(f"{flag} {path}: checkpoint format {state.get('format')}; this script reads format {CHECKPOINT_FORMAT}")
+    if set(state["args"]) != {field.name for field in dataclasses.fields(Args)}:  # a version with other flags wrote it
+        differ = ", ".join(sorted(set(state["args"]) ^ {field.name for field in dataclasses.fields(Args)}))
+        raise ArgError(f"{flag} {path}: written by a version of {SCRIPT} with other flags ({differ}); use that version")
     return state
 
 

@@ -123,6 +123,11 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path):
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(procgen.ArgError, match="format 0"):
         procgen.load_checkpoint(str(tmp_path / "old.pt"))
+    other = dict(torch.load(path, weights_only=True))  # written before --num-eval-envs went
+    other["args"] = dict(other["args"], num_eval_envs=64)
+    torch.save(other, tmp_path / "other.pt")
+    with pytest.raises(procgen.ArgError, match=r"other flags \(num_eval_envs\); use that version"):
+        procgen.load_checkpoint(str(tmp_path / "other.pt"))
     # flags that do not change what is trained may be given
     resumed, _ = procgen.resume_args(procgen.Args(resume=str(path), total_timesteps=10**8, micro_batch_size=64))
     assert resumed.num_envs == 4 and resumed.total_timesteps == 10**8 and resumed.micro_batch_size == 64

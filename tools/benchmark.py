@@ -11,6 +11,11 @@
    update and the aux epochs achieved, divided by the raw speed of the same chunks (goal >= 0.9),
    and the whole-phase env steps/s.
 --sweep first prints raw forward+backward states/s for fp32 and bf16 over several chunk sizes.
+
+Under `torchrun --standalone --nproc-per-node K tools/benchmark.py ...` the scaled run is data parallel:
+K workers with the same per-worker shapes (so K times the env steps), and rank 0 prints, adding the
+seconds the phase spent averaging gradients. One thread a worker is torchrun's default; compare with
+`OMP_NUM_THREADS=1 python tools/benchmark.py ...` for one worker.
 """
 
 import argparse
@@ -74,6 +79,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="first, raw speed over precisions and chunk sizes")
     parser.add_argument("--no-train", action="store_true", help="skip the scaled training run")
     opts = parser.parse_args()
+    workers = int(os.environ.get("WORLD_SIZE", 1))
+    if int(os.environ.get("RANK", 0)):
+        sys.stdout = open(os.devnull, "w")  # under torchrun, rank 0 alone prints
     module = load(opts.script)
 
     def agent_for(args):
@@ -99,7 +107,9 @@ def main() -> None:
     if opts.no_train:
         return
 
-    train_argv = SCALED[opts.script] + ["--arch", args.arch, "--precision", args.precision,
+    scaled = list(SCALED[opts.script])  # --total-timesteps counts every worker's steps: K times as many
+    scaled[scaled.index("--total-timesteps") + 1] = str(int(scaled[scaled.index("--total-timesteps") + 1]) * workers)
+    train_argv = scaled + ["--arch", args.arch, "--precision", args.precision,
                                         "--micro-batch-size", str(args.micro_batch_size)] + (["--no-cuda"] if opts.cpu else [])
     print("scaled training run: " + " ".join(train_argv), flush=True)
     os.chdir(tempfile.mkdtemp(prefix="ppg-benchmark-"))  # its runs/ folder goes there
@@ -111,7 +121,8 @@ def main() -> None:
     print(f"efficiency (achieved / raw forward+backward): policy update "
           f"{phase['update_states_per_s'] / raw['forward+backward']:.2f}, aux epochs "
           f"{phase['aux_states_per_s'] / raw['forward+backward']:.2f}")
-    print(f"whole-phase env steps/s {phase['whole_phase_sps']:.1f} (policy phase alone {phase['policy_phase_sps']:.1f})")
+    print(f"whole-phase env steps/s {phase['whole_phase_sps']:.1f} (policy phase alone {phase['policy_phase_sps']:.1f})" +
+          (f", {workers} workers; gradient all-reduce {phase['grad_allreduce_s']:.1f}s of the phase" if workers > 1 else ""))
 
 
 if __name__ == "__main__":
