@@ -13,6 +13,7 @@ One file, read top to bottom:
   9. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -159,8 +160,10 @@ def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
     """Args with `precision` and `micro_batch_size` made concrete for this device; the device; why that precision."""
     if args.precision not in ("auto", "fp32", "bf16"):
         raise ArgError(f"--precision {args.precision!r} is unknown; use auto, fp32 or bf16")
-    gpus = torch.cuda.device_count() if args.cuda else 0  # under torchrun, worker i takes GPU (i mod gpus)
+    gpus = torch.cuda.device_count() if args.cuda and torch.cuda.is_available() else 0  # worker i: GPU (i mod gpus)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus) if gpus else torch.device("cpu")
+    if gpus:
+        torch.cuda.set_device(device)  # the current device: what bf16_is_native checks, and where nccl reduces
     native, hardware = bf16_is_native(device)
     precision = ("bf16" if native else "fp32") if args.precision == "auto" else args.precision
     chunk = (0 if device.type == "cuda" else CPU_MICRO_BATCH) if args.micro_batch_size is None else args.micro_batch_size
@@ -171,19 +174,17 @@ def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
     """Estimate the memory of this machine's workers on this device; stop with one line if it cannot fit.
     Returns (needed, free); free is -1 where it cannot be read (no /proc/meminfo), and nothing is refused."""
-    states = plan.aux_slots * args.num_envs * args.num_steps
-    largest = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)  # the largest minibatch
-    chunk = min(args.micro_batch_size, largest) if args.micro_batch_size else largest
+    chunk = min(args.micro_batch_size or math.inf, max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its RAM, or its GPUs
     sharing = -(-local // torch.cuda.device_count()) if device.type == "cuda" else local
     needed = sharing * (PROCESS_BYTES
                         + plan.buffer_bytes  # uint8 observations of every rollout of the phase
-                        + states * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
+                        + plan.aux_slots * plan.batch_size * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
                         + plan.batch_size * 4 * 8  # one rollout's actions, log-probs, values, rewards, ...
                         + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1))  # one chunk's activations
     where, free = ("GPU memory", torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else ("RAM", -1)
-    if device.type == "cpu" and os.path.exists("/proc/meminfo"):
-        free = int(next(line for line in open("/proc/meminfo") if line.startswith("MemAvailable")).split()[1]) * 1024
+    if device.type == "cpu" and os.path.exists("/proc/meminfo"):  # Linux; elsewhere free stays -1 (unknown)
+        free = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable")), -1)
     if needed > free >= 0:
         raise ArgError(f"this run needs about {needed / 2**30:.1f} GiB of {where} (an observation buffer of "
                        f"{plan.buffer_bytes / 2**30:.1f} GiB{f' in each of {sharing} workers' if sharing > 1 else ''}) but only "
@@ -542,8 +543,8 @@ def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffe
 # ==== 7. Data parallel: torchrun's workers, as the released code's MPI ranks ==============================
 # Each worker steps its own envs into its own buffers; the update sees them all: gradients averaged before every optimizer
 # step, advantages and reward scale from moments over all workers, statistics (so the KL guard) averaged. Without torchrun
-# each function here is the identity. GRAD_ALLREDUCE_S: seconds spent averaging gradients (slowest-worker waits included).
-GRAD_ALLREDUCE_S = [0.0]
+# each function here is the identity.
+GRAD_ALLREDUCE_S = [0.0]  # seconds spent averaging gradients (waits for the slowest worker included)
 
 
 def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -574,6 +575,8 @@ def average_gradients(parameters) -> None:
         flat = all_reduce(torch.cat([g.flatten() for g in grads]), "mean")
         for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(mean.view_as(g))
+        if flat.is_cuda:
+            torch.cuda.synchronize()  # time the all-reduce itself, not its launch
         GRAD_ALLREDUCE_S[0] += time.perf_counter() - t0
 
 
@@ -590,8 +593,6 @@ def start_workers(device: torch.device, agent: nn.Module) -> None:
     """Join torchrun's process group (nccl where each worker has a GPU of its own; gloo on CPUs and shared GPUs),
     then copy rank 0's parameters to every worker. A collective kept waiting 30 minutes fails the run."""
     nccl = device.type == "cuda" and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
-    if nccl:
-        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(minutes=30))
     for tensor in agent.state_dict().values():  # broadcast as a sum: rank 0's values plus zeros, exactly rank 0's
         tensor.copy_(all_reduce(tensor if dist.get_rank() == 0 else torch.zeros_like(tensor)))
@@ -636,9 +637,8 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
         raise ArgError(f"{flag} {path}: written by {script or 'something else'}, not by {SCRIPT}")
     if state.get("format") != CHECKPOINT_FORMAT or not {"run_name", "args", "agent"} <= state.keys():
         raise ArgError(f"{flag} {path}: checkpoint format {state.get('format')}; this script reads format {CHECKPOINT_FORMAT}")
-    if set(state["args"]) != {field.name for field in dataclasses.fields(Args)}:  # a version with other flags wrote it
-        differ = ", ".join(sorted(set(state["args"]) ^ {field.name for field in dataclasses.fields(Args)}))
-        raise ArgError(f"{flag} {path}: written by a version of {SCRIPT} with other flags ({differ}); use that version")
+    if differ := sorted(set(state["args"]) ^ {field.name for field in dataclasses.fields(Args)}):  # another version's flags
+        raise ArgError(f"{flag} {path}: written by a version of {SCRIPT} with other flags ({', '.join(differ)}); use that version")
     return state
 
 
@@ -670,7 +670,7 @@ class StopSignal:
         if self.signum:
             sys.exit(128 + signum)
         self.signum = signum
-        os.write(1, f"\n{signal.Signals(signum).name}: stopping at the next rollout boundary (again: stop now)\n".encode())
+        os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: stopping at the next rollout boundary (again: stop now)\n".encode())
 
 
 # ==== 9. main(): the paper's Algorithm 1 ==================================================================
@@ -687,7 +687,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     """Train; returns each phase's speed figures (tools/benchmark.py reads them). `given`: see resume_args.
     Under torchrun every worker runs this (torchrun sets RANK and WORLD_SIZE); rank 0 alone prints and writes."""
     rank, workers = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    launch = f"torchrun --standalone --nproc-per-node {workers}" if workers > 1 else "python"
+    launch = "python" if workers == 1 else f"torchrun --standalone --nproc-per-node {workers}" if os.environ.get(
+        "LOCAL_WORLD_SIZE") == str(workers) else "torchrun (as launched)"
     try:
         args, ckpt = resume_args(args, given) if args.resume else (args, None)
         if ckpt and ckpt.get("workers", 1) != workers:  # else the global batch would change
@@ -696,7 +697,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
         plan = make_plan(args, workers)
         mem_needed, mem_free = check_memory(args, plan, device)
     except ArgError as e:
-        sys.exit(f"error: {e}" if rank == 0 else 2)  # one line, from rank 0 alone
+        sys.exit(f"error: {e}" if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2)  # one line a machine (its file, its memory)
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
 
@@ -746,9 +747,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     actions, ended = torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(shape, dtype=torch.bool, device=device)
     logprobs, values, rewards = (torch.zeros(shape, device=device) for _ in range(3))
 
-    global_step, aux_epochs_done, start_time, phase_reports = 0, 0, time.time(), []
+    global_step, aux_epochs_done, start_time, phase_reports, recent_returns = 0, 0, time.time(), [], deque(maxlen=100)
     spent = dict(rollout=0.0, policy_update=0.0, snapshot=0.0, aux_epochs=0.0, aux_phases=0)  # seconds so far
-    recent_returns = deque(maxlen=100)
     # Everything a checkpoint holds with a state_dict: saved at each phase boundary, restored on --resume.
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer, reward_normalizer=reward_normalizer)
     if ckpt:  # --resume: everything the checkpoint holds
@@ -761,8 +761,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
         start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
     stop, start_step, checkpointed, signum = StopSignal(), global_step, (phase, global_step) if ckpt else None, 0
 
-    def guarded(where: str, update: Callable, *update_args):
-        """update(*update_args); a non-finite loss or gradient stops the run with one line, before the optimizer step."""
+    def guarded(where: str, update: Callable, *update_args):  # a non-finite gradient stops the run with one line
         try:
             return update(*update_args)
         except NonFiniteError as e:
@@ -772,7 +771,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
                      f"step, and the last checkpoint is unchanged")
 
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    while iteration < plan.num_iterations and not signum:
+    while iteration < plan.num_iterations and not (signum := int(all_reduce(torch.tensor(stop.signum), "max"))):
         phase, phase_start, spent_before, allreduce_before = phase + 1, time.time(), dict(spent), GRAD_ALLREDUCE_S[0]
         phase_iterations = min(args.n_pi, plan.num_iterations - iteration)
         # ============ Policy phase: N_pi iterations of rollout + PPO ============
@@ -895,4 +894,6 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
 
 
 if __name__ == "__main__":  # given: the flags named on the command line (--no-cuda names cuda), for --resume
-    main(tyro.cli(Args), {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a[:2] == "--"})
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet if int(os.environ.get("LOCAL_RANK", 0)) else sys.stderr):
+        cli_args = tyro.cli(Args)  # under torchrun, a machine's first worker alone reports flags tyro rejects
+    main(cli_args, {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a[:2] == "--"})

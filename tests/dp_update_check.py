@@ -21,6 +21,7 @@ stats = script.policy_phase_update(agent, torch.optim.SGD(agent.parameters(), lr
                                    {k: v[states] for k, v in batch.items()}, args, script.make_plan(args, world))
 aux = script.auxiliary_phase(agent, torch.optim.SGD(agent.parameters(), lr=0.1), obs_buffer[rows], returns_buffer[rows], args)
 torch.save(dict(params=[p.detach() for p in agent.parameters()], stats=stats, aux=aux["epochs"],
-                moments=script.global_moments(values[states]), gathered=script.gather([rank, f"worker {rank}"])),
+                moments=script.global_moments(values[states]), gathered=script.gather([rank, f"worker {rank}"]),
+                means=script.mean_over_workers({"clone_kl": [torch.tensor(0.01 + 0.02 * rank)] * 2})),
            pathlib.Path(sys.argv[2]) / f"rank{rank}.pt")
 dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Data-parallel training under torchrun: 2 CPU workers (gloo), tiny settings; every run is bounded by a
 timeout, so a worker left waiting fails its test instead of hanging the suite."""
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -50,6 +51,10 @@ def test_two_workers_train_as_one_run(name, tmp_path):
     for tag in ("charts/episodic_return", "losses/approx_kl", "aux/clone_kl", "timing/grad_allreduce_s"):
         assert tag in scalars, tag
     assert scalars["timing/grad_allreduce_s"][0][1] > 0  # the first phase averaged gradients
+    if name == "ppg_procgen.py":  # (the tiny Atari games are all cut at 25 steps with 0 points: alike whatever the seed)
+        # each worker plays its own levels: with one seed for both, every episode would come twice (same step, length, return)
+        episodes = list(zip(scalars["charts/episodic_return"], scalars["charts/episodic_length"]))
+        assert len(set(episodes)) > len(episodes) // 2 + 1, episodes
     state = load_script(name).load_checkpoint(str(run))
     assert state["workers"] == 2 and state["global_step"] == 384
     # a run of 2 workers resumes with 2: plain python is refused in one line, before any env exists
@@ -82,6 +87,9 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(name, tmp_pa
         assert n == 32 and mean == pytest.approx(float(values.double().mean())) and var == pytest.approx(
             float(values.double().var(unbiased=False)))
         assert got["gathered"] == [0, "worker 0", 1, "worker 1"]
+        # the KL guard's epoch mean: 0.01 on one worker and 0.03 on the other read 0.02 on both (not 0.01 vs 0.03
+        # on either side of an --aux-kl-stop 0.02: a guard on local means would stop one worker alone)
+        assert got["means"] == {"clone_kl": pytest.approx(0.02)}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -113,6 +121,7 @@ def test_a_killed_worker_takes_the_run_down(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                  str(ROOT / name), *flags(name, total_timesteps=10**6)], cwd=tmp_path, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = []
     try:
         deadline = time.time() + 120
         while not list(tmp_path.glob("runs/*/checkpoint.pt")):  # phase 1 is done: both workers are training
@@ -123,6 +132,40 @@ def test_a_killed_worker_takes_the_run_down(tmp_path):
         (rank1,) = [pid for pid in children if b"\0RANK=1\0" in pathlib.Path(f"/proc/{pid}/environ").read_bytes()]
         os.kill(rank1, signal.SIGKILL)
         assert launcher.wait(timeout=90) != 0
-    finally:
-        launcher.kill()
+    finally:  # the workers run in sessions of their own: kill them too, whatever happened
+        for pid in [launcher.pid, *children]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         launcher.wait()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the workers through /proc")
+def test_sigterm_to_one_worker_stops_all_at_the_same_boundary(tmp_path):
+    """SIGTERM reaches rank 1 only: the workers agree on stopping after each rollout, so both stop at the
+    same rollout boundary, the phase-1 checkpoint stays and rank 0 prints the torchrun resume command."""
+    name = "ppg_atari.py"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                 str(ROOT / name), *flags(name, total_timesteps=10**6)], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children = []
+    try:
+        deadline = time.time() + 120
+        while not list(tmp_path.glob("runs/*/checkpoint.pt")):
+            assert time.time() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+        children = [int(pid) for path in pathlib.Path(f"/proc/{launcher.pid}/task").glob("*/children")
+                    for pid in path.read_text().split()]
+        (rank1,) = [pid for pid in children if b"\0RANK=1\0" in pathlib.Path(f"/proc/{pid}/environ").read_bytes()]
+        os.kill(rank1, signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=90)
+    finally:
+        for pid in [launcher.pid, *children]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+    (run,) = (tmp_path / "runs").iterdir()
+    assert f"resume with: torchrun --standalone --nproc-per-node 2 {name} --resume runs/{run.name}" in out, out[-2000:]
+    stopped = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0].replace(",", ""))
+    assert stopped % 128 == 0 and stopped < 10**6  # whole rollouts of both workers (2 x 2 envs x 32 steps)
+    assert launcher.returncode != 0 and load_script(name).load_checkpoint(str(run))["global_step"] <= stopped
