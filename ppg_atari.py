@@ -72,7 +72,7 @@ class Args:
     e_v: int = 1  # E_V: epochs of the value loss on each rollout
     e_aux: int = 6  # E_aux: auxiliary epochs per phase (0 disables the auxiliary phase)
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
-    aux_mb_trajectories: int = 4  # whole --num-steps trajectories per auxiliary minibatch (4 x 128 = 512 states)
+    aux_mb_trajectories: int = 4  # whole --num-steps trajectories per auxiliary minibatch of each worker (4 x 128 = 512 states)
     aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
     micro_batch_size: Optional[int] = None  # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = the whole minibatch at once; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
     precision: str = "auto"  # `fp32`, `bf16` (autocast of the networks' trunks; weights, optimiser and loss math stay fp32), or `auto`: bf16 where the hardware runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16)
