@@ -113,14 +113,15 @@ def test_bad_flags_are_reported_once(name, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the workers through /proc")
-def test_a_killed_worker_takes_the_run_down(tmp_path):
-    """SIGKILL to rank 1 mid-run: rank 0's next all-reduce fails and torchrun stops; nothing waits forever."""
-    name = "ppg_procgen.py"
+@contextlib.contextmanager
+def training_workers(name: str, tmp_path):
+    """A 2-worker torchrun run of `name` that has finished its first phase (a checkpoint exists): yields the
+    launcher (its stdout piped) and the pid of rank 1. On the way out, the launcher and its workers (in
+    sessions of their own) are killed, whatever happened."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                  str(ROOT / name), *flags(name, total_timesteps=10**6)], cwd=tmp_path, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     children = []
     try:
         deadline = time.time() + 120
@@ -130,9 +131,8 @@ def test_a_killed_worker_takes_the_run_down(tmp_path):
         children = [int(pid) for path in pathlib.Path(f"/proc/{launcher.pid}/task").glob("*/children")
                     for pid in path.read_text().split()]
         (rank1,) = [pid for pid in children if b"\0RANK=1\0" in pathlib.Path(f"/proc/{pid}/environ").read_bytes()]
-        os.kill(rank1, signal.SIGKILL)
-        assert launcher.wait(timeout=90) != 0
-    finally:  # the workers run in sessions of their own: kill them too, whatever happened
+        yield launcher, rank1
+    finally:
         for pid in [launcher.pid, *children]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -140,30 +140,22 @@ def test_a_killed_worker_takes_the_run_down(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the workers through /proc")
+def test_a_killed_worker_takes_the_run_down(tmp_path):
+    """SIGKILL to rank 1 mid-run: rank 0's next all-reduce fails and torchrun stops; nothing waits forever."""
+    with training_workers("ppg_procgen.py", tmp_path) as (launcher, rank1):
+        os.kill(rank1, signal.SIGKILL)
+        launcher.communicate(timeout=90)
+        assert launcher.returncode != 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the workers through /proc")
 def test_sigterm_to_one_worker_stops_all_at_the_same_boundary(tmp_path):
     """SIGTERM reaches rank 1 only: the workers agree on stopping after each rollout, so both stop at the
     same rollout boundary, the phase-1 checkpoint stays and rank 0 prints the torchrun resume command."""
     name = "ppg_atari.py"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 str(ROOT / name), *flags(name, total_timesteps=10**6)], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    children = []
-    try:
-        deadline = time.time() + 120
-        while not list(tmp_path.glob("runs/*/checkpoint.pt")):
-            assert time.time() < deadline and launcher.poll() is None
-            time.sleep(0.2)
-        children = [int(pid) for path in pathlib.Path(f"/proc/{launcher.pid}/task").glob("*/children")
-                    for pid in path.read_text().split()]
-        (rank1,) = [pid for pid in children if b"\0RANK=1\0" in pathlib.Path(f"/proc/{pid}/environ").read_bytes()]
+    with training_workers(name, tmp_path) as (launcher, rank1):
         os.kill(rank1, signal.SIGTERM)
         out, _ = launcher.communicate(timeout=90)
-    finally:
-        for pid in [launcher.pid, *children]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        launcher.wait()
     (run,) = (tmp_path / "runs").iterdir()
     assert f"resume with: torchrun --standalone --nproc-per-node 2 {name} --resume runs/{run.name}" in out, out[-2000:]
     stopped = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0].replace(",", ""))
