@@ -7,15 +7,16 @@ One file, read top to bottom:
      while every finished game's raw score (all lives) is what gets logged.
   4. Networks: Nature CNN, orthogonal init, and the three architectures (dual, detach, shared).
   5. Small pieces: reward normaliser, GAE, the losses, chunked gradients, the pi_old snapshot.
-  6. The two phases: policy_phase_update (E_pi, E_V epochs) and auxiliary_phase (E_aux epochs).
+  6. The two phases: the rollout, policy_phase_update (E_pi, E_V epochs), auxiliary_phase (E_aux epochs).
   7. Data parallel: under torchrun, K workers average their gradients (the released code's MPI setup).
-  8. Checkpoints at every phase boundary, --resume, clean stops on SIGTERM/SIGINT.
-  9. main(): Algorithm 1 of the paper, with TensorBoard logging under runs/{run_name}.
+  8. Runs that survive and report: checkpoints, --resume, stop signals, logs.
+  9. main(): Algorithm 1 of the paper.
 """
 
 import contextlib
 import dataclasses
 import datetime
+import io
 import math
 import os
 import random
@@ -24,7 +25,7 @@ import signal
 import sys
 import time
 from collections import defaultdict, deque
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Literal, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,56 +34,67 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
+OBS_SHAPE = (84, 84, 4)  # HWC uint8: 84x84 grayscale, the 4 most recent frames as channels
+NUM_ACTIONS = 18  # the most any game has (the full action set), for the memory estimate
 
-# ==== 1. Arguments ========================================================================================
+
+# ==== 1. Arguments ====================================================================================================
 @dataclasses.dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment (the first part of the run name)
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the first part of the run name
     seed: int = 1  # seed of python, numpy and torch, and of the envs (env i gets seed + i)
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
-    save_model: bool = False  # if toggled, save the weights and flags to `runs/{run_name}/{exp_name}.pt` at the end
-    resume: Optional[str] = None  # continue the run of this `runs/{run_name}` folder from its last phase boundary
+    save_model: bool = False  # if toggled, save the weights and flags to `{run folder}/{exp_name}.pt` at the end
+    resume: Optional[str] = None  # continue the run in this folder (or checkpoint file) from its last phase boundary
 
     # Environment
     env_id: str = "BreakoutNoFrameskip-v4"  # the Atari game: `BreakoutNoFrameskip-v4` style or `ALE/Breakout-v5` style
-    repeat_action_probability: Optional[float] = None  # sticky actions; None follows the env id's protocol: 0.0 for *NoFrameskip-v4, 0.25 for ALE/*-v5
-    episodic_life: bool = True  # if toggled, a lost life ends the episode for training (GAE); logged returns are whole games
+    repeat_action_probability: Optional[float] = (
+        None  # sticky actions; None follows the env id's protocol: 0.0 for *NoFrameskip-v4, 0.25 for ALE/*-v5
+    )
+    episodic_life: bool = (
+        True  # if toggled, a lost life ends the episode for training (GAE); logged returns are whole games
+    )
     clip_rewards: bool = True  # if toggled, train on sign(reward) in {-1, 0, 1}; logged returns are raw game scores
-    max_episode_frames: int = 108_000  # a game is cut after this many emulator frames (108,000 = 30 minutes of play, Machado et al.)
+    max_episode_frames: int = (
+        108_000  # a game is cut after this many emulator frames (108,000 = 30 minutes of play, Machado et al.)
+    )
 
     # Policy phase (PPO)
-    total_timesteps: int = 10_000_000  # total env steps of all workers (rounded UP to whole rollouts; the exact count is printed)
+    total_timesteps: int = 10_000_000  # env steps of all workers (rounded UP to whole rollouts; the count is printed)
     learning_rate: float = 2.5e-4  # Adam learning rate of both phases (constant, as in the paper)
     num_envs: int = 8  # number of parallel envs (of each worker, under torchrun)
     num_steps: int = 128  # steps per env in each rollout
     gamma: float = 0.99  # discount factor of GAE and the value targets
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
-    norm_reward: bool = False  # if toggled, divide rewards by the running std of their discounted return, clipped to +-10
-    reward_norm_gamma: float = 0.99  # discount of the return whose running std scales the rewards (0.99 in the released code)
-    num_minibatches: int = 4  # PPO minibatches per epoch in the policy phase (each worker's share of a minibatch is 1/K)
+    norm_reward: bool = False  # if toggled, divide rewards by the running std of their discounted return, clip to +-10
+    reward_norm_gamma: float = 0.99  # discount of the return whose running std scales rewards (0.99 in released code)
+    num_minibatches: int = 4  # PPO minibatches per epoch in the policy phase (each worker's share is 1/K)
     clip_coef: float = 0.1  # PPO clipping coefficient
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip the gradient norm of each network to this (0 = no clipping, as in the paper)
 
     # Phasic Policy Gradient
-    arch: str = "dual"  # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)
+    arch: Literal["dual", "detach", "shared"] = (
+        "dual"  # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)
+    )
     n_pi: int = 32  # N_pi: policy-phase iterations (rollouts) per phase
     e_pi: int = 1  # E_pi: epochs of the PPO policy loss on each rollout
     e_v: int = 1  # E_V: epochs of the value loss on each rollout
     e_aux: int = 6  # E_aux: auxiliary epochs per phase (0 disables the auxiliary phase)
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
-    aux_mb_trajectories: int = 4  # whole --num-steps trajectories per auxiliary minibatch of each worker (4 x 128 = 512 states)
+    aux_mb_trajectories: int = 4  # whole --num-steps trajectories per aux minibatch of each worker (4 x 128 states)
     aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
-    micro_batch_size: Optional[int] = None  # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = the whole minibatch at once; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
-    precision: str = "auto"  # `fp32`, `bf16` (autocast of the networks' trunks; weights, optimiser and loss math stay fp32), or `auto`: bf16 where the hardware runs it natively (a GPU with bf16, a CPU with AMX or AVX512-BF16)
+    micro_batch_size: Optional[int] = (
+        None  # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
+    )
+    precision: Literal["fp32", "bf16"] = (
+        "fp32"  # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (the README says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
+    )
 
 
-OBS_SHAPE = (84, 84, 4)  # HWC uint8: 84x84 grayscale, the 4 most recent frames as channels
-NUM_ACTIONS = 18  # the most any game has (the full action set), for the memory estimate
-
-
-# ==== 2. Plan: validate the flags and derive every count once =============================================
+# ==== 2. Plan: validate the flags and derive every count once =========================================================
 class ArgError(Exception):
     """A bad flag or combination of flags; main() prints it as one line and exits."""
 
@@ -105,105 +117,104 @@ class Plan:
 
 def make_plan(args: Args, workers: int = 1) -> Plan:
     """Check every flag and derive the run's counts for K = `workers`. Raises ArgError with a one-line message."""
-    check_env_args(args)
-    for name, value in dataclasses.asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ArgError(f"--{name.replace('_', '-')} must be a finite number (got {value})")
-    if args.arch not in ("dual", "detach", "shared"):
-        raise ArgError(f"--arch {args.arch!r} is unknown; use dual, detach or shared")
-    for rule, ok, names in [
-            ("be at least 1", lambda v: v >= 1, "num_envs num_steps num_minibatches n_pi e_pi e_v total_timesteps aux_mb_trajectories"),
-            ("be >= 0", lambda v: v >= 0, "e_aux micro_batch_size beta_clone ent_coef aux_kl_stop max_grad_norm"),
-            ("be > 0", lambda v: v > 0, "learning_rate clip_coef"),
-            ("lie in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda reward_norm_gamma")]:
+    floats = " ".join(name for name, value in vars(args).items() if isinstance(value, float))
+    rules = [
+        ("be a finite number", math.isfinite, floats),
+        ("be at least 1", lambda v: v >= 1, "num_envs num_steps num_minibatches n_pi e_pi e_v total_timesteps"),
+        ("be at least 1", lambda v: v >= 1, "aux_mb_trajectories"),
+        ("be >= 0", lambda v: v >= 0, "e_aux micro_batch_size beta_clone ent_coef aux_kl_stop max_grad_norm"),
+        ("be > 0", lambda v: v > 0, "learning_rate clip_coef"),
+        ("lie in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda reward_norm_gamma"),
+    ]
+    for rule, ok, names in rules + ENV_RULES:
         for name in names.split():
-            value = getattr(args, name)
-            if value is not None and not ok(value):
-                raise ArgError(f"--{name.replace('_', '-')} must {rule} (got {value})")
+            if getattr(args, name) is not None and not ok(getattr(args, name)):
+                raise ArgError(f"--{name.replace('_', '-')} must {rule} (got {getattr(args, name)})")
+    check_env_args(args)
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
-        raise ArgError(f"--num-minibatches {args.num_minibatches} does not divide the rollout of "
-                       f"--num-envs x --num-steps = {batch_size} states; pick a divisor of {batch_size}")
-
+        raise ArgError(
+            f"--num-minibatches {args.num_minibatches} does not divide the {batch_size} states of a rollout "
+            f"(--num-envs x --num-steps); pick a divisor of {batch_size}"
+        )
     num_iterations = -(-args.total_timesteps // (batch_size * workers))  # round UP: never train less than asked
     num_aux_phases = (num_iterations - 1) // args.n_pi if args.e_aux > 0 else 0
     aux_slots = args.n_pi if num_aux_phases > 0 else 1
     trajectories = aux_slots * args.num_envs
     if num_aux_phases > 0 and trajectories % args.aux_mb_trajectories:
-        raise ArgError(f"--aux-mb-trajectories {args.aux_mb_trajectories} does not divide the "
-                       f"{trajectories} trajectories of an auxiliary phase (--n-pi x --num-envs)")
-    return Plan(batch_size=batch_size, minibatch_size=batch_size // args.num_minibatches, num_iterations=num_iterations,
-                num_aux_phases=num_aux_phases, total_env_steps=num_iterations * batch_size * workers, aux_slots=aux_slots,
-                aux_minibatches=trajectories // args.aux_mb_trajectories,
-                buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE))
+        raise ArgError(
+            f"--aux-mb-trajectories {args.aux_mb_trajectories} does not divide the {trajectories} "
+            f"trajectories of an auxiliary phase (--n-pi x --num-envs)"
+        )
+    return Plan(
+        batch_size,
+        batch_size // args.num_minibatches,
+        num_iterations,
+        num_aux_phases,
+        num_iterations * batch_size * workers,
+        aux_slots,
+        trajectories // args.aux_mb_trajectories,
+        trajectories * args.num_steps * math.prod(OBS_SHAPE),
+    )
 
 
-# Peak bytes of autograd activations per state and per Nature CNN trunk for one forward+backward:
-# peak-RSS growth over 256..1,024 states on the 2-core CPU machine was 0.29-0.35 MB, rounded up.
-ACTIVATION_BYTES_PER_TRUNK_STATE = 400_000
-# Resident memory of the process before any buffer: python, torch, the envs (0.4-0.5 GiB measured).
-PROCESS_BYTES = 512 * 2**20
-CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py; README); a GPU takes whole minibatches
+CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py --sweep); a GPU takes whole minibatches
+# Peak autograd activations per state and per Nature CNN trunk for one forward+backward: peak-RSS growth over 256..1,024
+# states on the 2-core CPU machine was 0.29-0.35 MB, rounded up. The process itself (python, torch, envs): 0.4-0.5 GiB.
+ACTIVATION_BYTES_PER_TRUNK_STATE, PROCESS_BYTES = 400_000, 512 * 2**20
 
 
-def bf16_is_native(device: torch.device) -> Tuple[bool, str]:
-    """Whether this device runs bf16 convolutions and matmuls in hardware, and what it is."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name(device)
-    for name, check in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
-        if getattr(torch.cpu, check, lambda: False)():  # a private torch API, hence getattr
-            return True, f"the CPU has {name}"
-    return False, "the CPU has neither AMX nor AVX512-BF16"
-
-
-def resolve_hardware(args: Args) -> Tuple[Args, torch.device, str]:
-    """Args with `precision` and `micro_batch_size` made concrete for this device; the device; why that precision."""
-    if args.precision not in ("auto", "fp32", "bf16"):
-        raise ArgError(f"--precision {args.precision!r} is unknown; use auto, fp32 or bf16")
-    gpus = torch.cuda.device_count() if args.cuda and torch.cuda.is_available() else 0  # worker i: GPU (i mod gpus)
+def pick_device(args: Args) -> Tuple[Args, torch.device]:
+    """This worker's device (worker i takes GPU i mod GPUs), and Args with --micro-batch-size made concrete."""
+    gpus = torch.cuda.device_count() if args.cuda and torch.cuda.is_available() else 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus) if gpus else torch.device("cpu")
     if gpus:
-        torch.cuda.set_device(device)  # the current device: what bf16_is_native checks, and where nccl reduces
-    native, hardware = bf16_is_native(device)
-    precision = ("bf16" if native else "fp32") if args.precision == "auto" else args.precision
-    chunk = (0 if device.type == "cuda" else CPU_MICRO_BATCH) if args.micro_batch_size is None else args.micro_batch_size
-    why = f"auto: {hardware}" if args.precision == "auto" else f"--precision {args.precision}"
-    return dataclasses.replace(args, precision=precision, micro_batch_size=chunk), device, why
+        torch.cuda.set_device(device)  # where nccl reduces
+        # fp32 means fp32: PyTorch runs cuDNN convolutions in TF32 by default on Ampere and later GPUs
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision != "fp32"
+    chunk = (0 if gpus else CPU_MICRO_BATCH) if args.micro_batch_size is None else args.micro_batch_size
+    return dataclasses.replace(args, micro_batch_size=chunk), device
 
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
-    """Estimate the memory of this machine's workers on this device; stop with one line if it cannot fit.
-    Returns (needed, free); free is -1 where it cannot be read (no /proc/meminfo), and nothing is refused."""
+    """(bytes this machine's workers need: buffers, one chunk's activations, the process; bytes free, -1 if unknown).
+    ArgError if they cannot fit."""
     chunk = min(args.micro_batch_size or math.inf, max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its RAM, or its GPUs
-    sharing = -(-local // torch.cuda.device_count()) if device.type == "cuda" else local
-    needed = sharing * (PROCESS_BYTES
-                        + plan.buffer_bytes  # uint8 observations of every rollout of the phase
-                        + plan.aux_slots * plan.batch_size * 4 * (1 + NUM_ACTIONS)  # return targets and the pi_old snapshot
-                        + plan.batch_size * 4 * 8  # one rollout's actions, log-probs, values, rewards, ...
-                        + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1))  # one chunk's activations
-    where, free = ("GPU memory", torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else ("RAM", -1)
-    if device.type == "cpu" and os.path.exists("/proc/meminfo"):  # Linux; elsewhere free stays -1 (unknown)
-        free = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable")), -1)
+    buffers = plan.buffer_bytes + plan.aux_slots * plan.batch_size * 4 * (1 + NUM_ACTIONS) + plan.batch_size * 4 * 8
+    allowance = PROCESS_BYTES + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1)
+    workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its memory
+    cuda = device.type == "cuda"
+    needed = (-(-workers // torch.cuda.device_count()) if cuda else workers) * (buffers + allowance)
+    meminfo = open("/proc/meminfo").readlines() if os.path.exists("/proc/meminfo") and not cuda else []
+    free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable")), -1)
+    free = torch.cuda.mem_get_info(device)[0] if cuda else free
     if needed > free >= 0:
-        raise ArgError(f"this run needs about {needed / 2**30:.1f} GiB of {where} (an observation buffer of "
-                       f"{plan.buffer_bytes / 2**30:.1f} GiB{f' in each of {sharing} workers' if sharing > 1 else ''}) but only "
-                       f"{free / 2**30:.1f} GiB is free; shrink it with a smaller --n-pi, --num-envs, --num-steps or --micro-batch-size")
+        raise ArgError(
+            f"this run needs about {needed / 2**30:.1f} GiB of {'GPU memory' if cuda else 'RAM'} but "
+            f"{free / 2**30:.1f} GiB is free; use a smaller --n-pi, --num-envs, --num-steps or --micro-batch-size"
+        )
     return needed, free
 
 
-# ==== 3. Environment ======================================================================================
+# ==== 3. Environment ==================================================================================================
+ENV_RULES = [  # make_plan checks these flags too
+    ("be at least 1", lambda v: v >= 1, "max_episode_frames"),
+    ("lie in [0, 1)", lambda v: 0 <= v < 1, "repeat_action_probability"),
+]
+
+
 def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
     """(the ALE/*-v5 id the vector env is registered under, sticky-action probability, most no-op
     starts, FIRE on reset): each id style keeps its own evaluation protocol on that vector env.
     *NoFrameskip-v4: the DQN/baselines protocol (no sticky actions, up to 30 no-ops, FIRE on reset);
     ALE/*-v5: Machado et al. 2018 (sticky actions 0.25, no no-op starts, no FIRE on reset)."""
     if env_id.endswith("NoFrameskip-v4"):
-        return f"ALE/{env_id[:-len('NoFrameskip-v4')]}-v5", 0.0, 30, True
+        return f"ALE/{env_id[: -len('NoFrameskip-v4')]}-v5", 0.0, 30, True
     return env_id, 0.25, 0, False
 
 
 def check_env_args(args: Args) -> None:
+    """The env id names a game ale-py's vector env runs, or ArgError suggesting the nearest names."""
     import difflib
     import re
 
@@ -214,17 +225,18 @@ def check_env_args(args: Args) -> None:
     ale_id = ale_protocol(args.env_id)[0]
     # Only ALE/*-v5 ids have ale-py's vector entry point; other styles (Breakout-v4, ...) have none.
     if not (ale_id.startswith("ALE/") and ale_id.endswith("-v5") and ale_id in gym.registry):
-        games = [k[len("ALE/"):-len("-v5")] for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")]
+        games = [k[len("ALE/") : -len("-v5")] for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")]
         name = re.sub(r"^ALE/|(NoFrameskip|Deterministic)?-v\d+$", "", args.env_id)
         close = difflib.get_close_matches(name, games, n=3)
-        hint = f"did you mean {' or '.join(f'{g}NoFrameskip-v4' for g in close)}?" if close else \
-            f"ale-py registers {len(games)} games as ALE/<Game>-v5 (Breakout, Pong, SpaceInvaders, ...)"
-        raise ArgError(f"--env-id {args.env_id!r} is not an Atari id this script runs (use BreakoutNoFrameskip-v4 "
-                       f"or ALE/Breakout-v5 style); {hint}")
-    if args.repeat_action_probability is not None and not 0 <= args.repeat_action_probability < 1:
-        raise ArgError(f"--repeat-action-probability must lie in [0, 1) (got {args.repeat_action_probability})")
-    if args.max_episode_frames < 1:
-        raise ArgError(f"--max-episode-frames must be at least 1 (got {args.max_episode_frames})")
+        hint = (
+            f"did you mean {' or '.join(f'{g}NoFrameskip-v4' for g in close)}?"
+            if close
+            else f"ale-py registers {len(games)} games as ALE/<Game>-v5 (Breakout, Pong, SpaceInvaders, ...)"
+        )
+        raise ArgError(
+            f"--env-id {args.env_id!r} is not an Atari id this script runs (use BreakoutNoFrameskip-v4 "
+            f"or ALE/Breakout-v5 style); {hint}"
+        )
 
 
 class AtariVecEnv:
@@ -244,11 +256,24 @@ class AtariVecEnv:
             sticky = args.repeat_action_probability
         # The vector env's own life-loss and reward-clipping options stay off: its episodic_life
         # resets the whole game at each lost life. Both are done below, for training only.
-        self.env = gym.make_vec(ale_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
-                                repeat_action_probability=sticky, frameskip=4, maxpool=True, img_height=84,
-                                img_width=84, grayscale=True, stack_num=4, noop_max=noop_max, use_fire_reset=fire_reset,
-                                max_num_frames_per_episode=args.max_episode_frames, episodic_life=False,
-                                reward_clipping=False, autoreset_mode="SameStep")
+        self.env = gym.make_vec(
+            ale_id,
+            num_envs=num_envs,
+            vectorization_mode="vector_entry_point",
+            repeat_action_probability=sticky,
+            frameskip=4,
+            maxpool=True,
+            img_height=84,
+            img_width=84,
+            grayscale=True,
+            stack_num=4,
+            noop_max=noop_max,
+            use_fire_reset=fire_reset,
+            max_num_frames_per_episode=args.max_episode_frames,
+            episodic_life=False,
+            reward_clipping=False,
+            autoreset_mode="SameStep",
+        )
         self.args, self.seed, self.num_envs = args, seed, num_envs
         self.num_actions = self.env.single_action_space.n
         self.lives = np.zeros(num_envs, dtype=np.int64)
@@ -279,7 +304,7 @@ class AtariVecEnv:
         self.env.close()
 
 
-# ==== 4. Networks: Nature CNN with orthogonal initialisation ==============================================
+# ==== 4. Networks: Nature CNN with orthogonal initialisation ==========================================================
 def orthogonal_init_(layer: nn.Module, gain: float) -> nn.Module:
     """Orthogonal weights with this gain, bias 0: the init of the standard PPO Atari recipe."""
     nn.init.orthogonal_(layer.weight, gain)
@@ -296,9 +321,12 @@ class NatureEncoder(nn.Module):
         h, w, c = obs_shape
         gain = math.sqrt(2)
         self.convs = nn.Sequential(
-            orthogonal_init_(nn.Conv2d(c, 32, 8, stride=4), gain), nn.ReLU(),
-            orthogonal_init_(nn.Conv2d(32, 64, 4, stride=2), gain), nn.ReLU(),
-            orthogonal_init_(nn.Conv2d(64, 64, 3, stride=1), gain), nn.ReLU(),
+            orthogonal_init_(nn.Conv2d(c, 32, 8, stride=4), gain),
+            nn.ReLU(),
+            orthogonal_init_(nn.Conv2d(32, 64, 4, stride=2), gain),
+            nn.ReLU(),
+            orthogonal_init_(nn.Conv2d(64, 64, 3, stride=1), gain),
+            nn.ReLU(),
         )
         with torch.no_grad():
             flat = self.convs(torch.zeros(1, c, h, w)).numel()
@@ -330,8 +358,8 @@ class PPGAgent(nn.Module):
         self.value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
-        """The one place precision is chosen: with bf16, the trunk's convolutions and matmuls run
-        under autocast; its features come back fp32, so the small heads and all loss math are fp32."""
+        """The one place precision is chosen: with bf16 the trunk runs under autocast, and its features come back
+        fp32, so the small heads and all loss math are fp32."""
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
             return trunk(obs).float()
 
@@ -354,11 +382,11 @@ class PPGAgent(nn.Module):
         return [*(self.v_trunk.parameters() if self.v_trunk is not None else []), *self.value_head.parameters()]
 
 
-# ==== 5. Small pieces, each a plain function or class the tests call directly =============================
+# ==== 5. Small pieces, each a plain function or class the tests call directly =========================================
 class RewardNormalizer:
     """Divide rewards by the running std of each env's discounted return (no mean subtraction), then clip: the
-    released code's scheme, which keeps value targets near unit scale. As there, it takes a whole rollout: the
-    statistics take every step's return of every worker's envs first (one shared scale), then it scales them."""
+    released code's scheme, which keeps value targets near unit scale. As there, it takes a whole rollout: every
+    step's return of every worker's envs updates the statistics first (one shared scale), then it scales them."""
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, epsilon: float = 1e-8):
         self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
@@ -372,20 +400,18 @@ class RewardNormalizer:
             self.ret = self.ret * self.gamma + rewards[:, t]
             rets[:, t] = self.ret
             self.ret[dones[:, t]] = 0.0  # the episode ended with this reward
-        self._update(*global_moments(torch.from_numpy(rets)))
-        return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
-
-    def state_dict(self) -> Dict:
-        return dict(mean=float(self.mean), var=float(self.var), count=float(self.count))  # not `ret`: the envs restart
-
-    def load_state_dict(self, state: Dict) -> None:
-        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
-
-    def _update(self, n: float, mean: float, var: float) -> None:  # parallel (Chan et al.) merge of a batch's moments
-        delta, total = mean - self.mean, self.count + n
+        n, mean, var = global_moments(torch.from_numpy(rets))
+        delta, total = mean - self.mean, self.count + n  # the parallel (Chan et al.) merge of the rollout's moments
         self.mean += delta * n / total
         self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
         self.count = total
+        return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self) -> Dict:
+        return dict(mean=float(self.mean), var=float(self.var), count=float(self.count))  # not `ret`: envs restart
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
 
 
 def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
@@ -401,11 +427,16 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
     return advantages, advantages + values
 
 
+def normalise_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Once per rollout, by the mean and (population) std over all workers' states, as the released code does."""
+    _, mean, var = global_moments(advantages)
+    return (advantages - mean) / (math.sqrt(var) + 1e-8)
+
+
 def ppo_policy_loss(logits, actions, old_logprobs, advantages, clip_coef: float):
     """PPO's clipped surrogate (to minimise). Returns (loss, entropy, approx_kl, clipfrac)."""
     logprobs = F.log_softmax(logits, dim=-1)
-    new_logprob = logprobs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-    logratio = new_logprob - old_logprobs
+    logratio = logprobs.gather(-1, actions.unsqueeze(-1)).squeeze(-1) - old_logprobs
     ratio = logratio.exp()
     loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean()
     entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
@@ -433,7 +464,7 @@ def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: floa
     return l_aux + beta_clone * l_clone, l_aux, l_clone
 
 
-def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]):
+def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[torch.Tensor, Dict]]) -> Dict:
     """Backpropagate the mean loss over n states in chunks of `chunk` (0 = all at once). Each chunk's mean loss is
     weighted by its share of n, so the summed gradient equals that of one pass over all n, while only one chunk's
     activations are alive at a time. Returns the (detached) statistics of loss_fn, averaged the same way."""
@@ -450,8 +481,8 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
 
 def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float, stats: Dict) -> None:
     """Adam step on the gradient averaged over the workers, after clipping the norms of theta_pi's and theta_V's
-    gradients separately (if asked: one network's gradient never rescales the other's update). Then the gradients
-    are dropped, so none crosses into the next step or phase (both optimizers share the parameters' .grad).
+    gradients separately (one network's gradient never rescales the other's update). Then the gradients are
+    dropped, so none crosses into the next step or phase (both optimizers share the parameters' .grad).
     A non-finite gradient, averaged, is seen by every worker at once: all stop, naming this worker's bad losses."""
     average_gradients(agent.parameters())
     if not torch.isfinite(sum(p.grad.norm() for p in agent.parameters() if p.grad is not None)):
@@ -469,12 +500,49 @@ def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> to
     """pi_old for the auxiliary phase: the logits of the policy as it stands NOW (after the policy phase) on every
     state of the buffer, not the rollout-time ones. Logits, not log-probabilities: clone_kl normalises both sides
     alike, so an unchanged policy gives a KL of exactly 0. Shape (trajectories, steps, actions), float32."""
-    return torch.cat([agent.logits(part) for part in obs_buffer.flatten(0, 1).split(chunk)]).view(*obs_buffer.shape[:2], -1)
+    logits = [agent.logits(part) for part in obs_buffer.flatten(0, 1).split(chunk)]
+    return torch.cat(logits).view(*obs_buffer.shape[:2], -1)
 
 
-# ==== 6. The two phases ===================================================================================
-def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
-                        args: Args, plan: Plan) -> Dict[str, float]:
+# ==== 6. The two phases ===============================================================================================
+SPENT: Dict[str, float] = defaultdict(float)  # seconds spent by part of the run, and aux phases run (checkpointed)
+
+
+@contextlib.contextmanager
+def timed(part: str):
+    t0 = time.perf_counter()
+    yield
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # time the work, not its launch
+    SPENT[part] += time.perf_counter() - t0
+
+
+ROLLOUT_DTYPES = dict(
+    actions=torch.long, logprobs=torch.float32, values=torch.float32, rewards=torch.float32, ended=torch.bool
+)
+
+
+@torch.no_grad()
+def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, obs_rows: torch.Tensor, ro: Dict, step: int):
+    """num_steps steps of every env with the current policy: frames go straight into obs_rows (uint8: the aux buffer's
+    slot of this rollout), the rest into ro's tensors. Returns the next observation, the global step after the
+    rollout, the value of the state after it (GAE's bootstrap), and each finished episode's (step, return, length)."""
+    episodes, workers = [], dist.get_world_size() if dist.is_initialized() else 1
+    for t in range(obs_rows.shape[1]):
+        obs_rows[:, t] = next_obs
+        logits, value, _ = agent(next_obs)
+        pi = torch.distributions.Categorical(logits=logits)
+        action = pi.sample()
+        ro["actions"][:, t], ro["logprobs"][:, t], ro["values"][:, t] = action, pi.log_prob(action), value
+        obs, reward, done, finished = envs.step(action.cpu().numpy())
+        ro["rewards"][:, t], ro["ended"][:, t] = torch.from_numpy(reward), torch.from_numpy(done)
+        next_obs = torch.from_numpy(obs).to(next_obs.device)
+        step += envs.num_envs * workers  # the workers step in lockstep
+        episodes += [(step, ep_return, length) for _, ep_return, length in finished]
+    return next_obs, step, agent(next_obs)[1], episodes
+
+
+def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, plan: Plan) -> Dict:
     """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout. Both losses of
     an epoch share each minibatch's backward pass, as in the released code; for dual and detach they touch disjoint
     parameters, so this equals two separate loops. The auxiliary value head gets no gradient here. Returns means
@@ -490,13 +558,13 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
                 loss, stats = 0.0, {}
                 if train_pi:
                     pg_loss, entropy, approx_kl, clipfrac = ppo_policy_loss(
-                        logits, mb["actions"][part], mb["logprobs"][part], mb["advantages"][part], args.clip_coef)
+                        logits, mb["actions"][part], mb["logprobs"][part], mb["advantages"][part], args.clip_coef
+                    )
                     loss = loss + pg_loss - args.ent_coef * entropy
                     stats.update(policy_loss=pg_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
                 if train_v:
-                    v_loss = value_loss(values, mb["returns"][part])
-                    loss = loss + v_loss
-                    stats.update(value_loss=v_loss)
+                    stats["value_loss"] = value_loss(values, mb["returns"][part])
+                    loss = loss + stats["value_loss"]
                 return loss, stats
 
             stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
@@ -506,47 +574,52 @@ def policy_phase_update(agent: PPGAgent, optimizer: torch.optim.Optimizer, batch
     return mean_over_workers(logs)
 
 
-def auxiliary_phase(agent: PPGAgent, optimizer: torch.optim.Optimizer, obs_buffer: torch.Tensor,
-                    returns_buffer: torch.Tensor, args: Args) -> Dict:
+def auxiliary_phase(agent: PPGAgent, optimizer, obs_buffer: torch.Tensor, returns_buffer: torch.Tensor, args: Args):
     """Snapshot pi_old, then E_aux epochs over minibatches of whole trajectories of
     L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone KL(pi_old || pi)  on the policy network, and
     L_value = 0.5 (V - V_hat)^2  on the value network. V_hat (returns_buffer) stays fixed.
-    Stops after an epoch whose mean KL exceeds --aux-kl-stop (the seed's KL guard)."""
-    chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
-    t0 = time.perf_counter()
-    old_logits = snapshot_policy(agent, obs_buffer, chunk)
-    snapshot_s, epochs, stopped_early = time.perf_counter() - t0, [], False
-    for epoch in range(args.e_aux):
-        logs = defaultdict(list)
-        for traj in torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories):
-            # Whole trajectories: each one is a contiguous row block of the buffer.
-            obs, targets, old = obs_buffer[traj].flatten(0, 1), returns_buffer[traj].flatten(), old_logits[traj].flatten(0, 1)
+    Stops after an epoch whose mean KL exceeds --aux-kl-stop (the seed's KL guard). Returns each epoch's means."""
+    chunk, epochs = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps, []
+    with timed("snapshot"):
+        old_logits = snapshot_policy(agent, obs_buffer, chunk)
+    with timed("aux_epochs"):
+        for _ in range(args.e_aux):
+            logs = defaultdict(list)
+            for traj in torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories):
+                # Whole trajectories: each one is a contiguous row block of the buffer.
+                obs, targets = obs_buffer[traj].flatten(0, 1), returns_buffer[traj].flatten()
+                old = old_logits[traj].flatten(0, 1)
 
-            def loss_fn(part: slice):
-                logits, values, aux_values = agent(obs[part])
-                joint, l_aux, l_clone = aux_joint_loss(aux_values, targets[part], old[part], logits, args.beta_clone)
-                l_value = value_loss(values, targets[part])
-                return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
+                def loss_fn(part: slice):
+                    logits, values, aux_values = agent(obs[part])
+                    joint, l_aux, l_clone = aux_joint_loss(
+                        aux_values, targets[part], old[part], logits, args.beta_clone
+                    )
+                    l_value = value_loss(values, targets[part])
+                    return joint + l_value, dict(
+                        aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value
+                    )
 
-            stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
-            optimizer_step(optimizer, agent, args.max_grad_norm, stats)
-            for k, v in stats.items():
-                logs[k].append(v)
-        epochs.append(mean_over_workers(logs))  # every worker sees the same means: the KL guard stops them all at once
-        if args.aux_kl_stop > 0 and epochs[-1]["clone_kl"] > args.aux_kl_stop and epoch < args.e_aux - 1:
-            stopped_early = True  # only when an epoch is actually skipped
-            break
-    return dict(epochs=epochs, stopped_early=stopped_early, snapshot_s=snapshot_s,
-                aux_s=time.perf_counter() - t0 - snapshot_s)
+                stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
+                optimizer_step(optimizer, agent, args.max_grad_norm, stats)
+                for k, v in stats.items():
+                    logs[k].append(v)
+            epochs.append(mean_over_workers(logs))  # the same means on every worker: the KL guard stops all at once
+            if 0 < args.aux_kl_stop < epochs[-1]["clone_kl"] and len(epochs) < args.e_aux:
+                print(
+                    f"auxiliary phase stopped after epoch {len(epochs)}/{args.e_aux}: mean clone KL "
+                    f"{epochs[-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}",
+                    flush=True,
+                )
+                break
+    SPENT["aux_phases"] += 1
+    return epochs
 
 
-# ==== 7. Data parallel: torchrun's workers, as the released code's MPI ranks ==============================
-# Each worker steps its own envs into its own buffers; the update sees them all: gradients averaged before every optimizer
-# step, advantages and reward scale from moments over all workers, statistics (so the KL guard) averaged. Without torchrun
-# each function here is the identity.
-GRAD_ALLREDUCE_S = [0.0]  # seconds spent averaging gradients (waits for the slowest worker included)
-
-
+# ==== 7. Data parallel: torchrun's workers, as the released code's MPI ranks ==========================================
+# Each worker steps its own envs into its own buffers; the update sees them all: gradients averaged before every
+# optimizer step, advantages and reward scale from moments over all workers, statistics (so the KL guard) averaged.
+# Without torchrun each function here is the identity.
 def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """x summed, averaged (`mean`) or maximised (`max`) over the workers, as a new tensor on x's device."""
     if not dist.is_initialized():
@@ -571,13 +644,11 @@ def mean_over_workers(logs: Dict[str, List[torch.Tensor]]) -> Dict[str, float]:
 def average_gradients(parameters) -> None:
     """Each .grad becomes its mean over the workers: the gradient of the whole global minibatch."""
     if dist.is_initialized():
-        t0, grads = time.perf_counter(), [p.grad for p in parameters if p.grad is not None]  # the same on all workers
-        flat = all_reduce(torch.cat([g.flatten() for g in grads]), "mean")
-        for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(mean.view_as(g))
-        if flat.is_cuda:
-            torch.cuda.synchronize()  # time the all-reduce itself, not its launch
-        GRAD_ALLREDUCE_S[0] += time.perf_counter() - t0
+        with timed("grad_allreduce"):  # the wait for the slowest worker included
+            grads = [p.grad for p in parameters if p.grad is not None]  # the same parameters on every worker
+            flat = all_reduce(torch.cat([g.flatten() for g in grads]), "mean")
+            for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(mean.view_as(g))
 
 
 def gather(items: list) -> list:
@@ -598,32 +669,27 @@ def start_workers(device: torch.device, agent: nn.Module) -> None:
         tensor.copy_(all_reduce(tensor if dist.get_rank() == 0 else torch.zeros_like(tensor)))
 
 
-# ==== 8. Runs that survive: atomic checkpoints at phase boundaries, --resume, stop signals ================
-CHECKPOINT_FORMAT = 1
-SCRIPT = os.path.basename(__file__)
-# The flags --resume takes from the command line; the others come from the checkpoint.
-RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_size")
+# ==== 8. Runs that survive and report: checkpoints, --resume, stop signals, logs ======================================
+CHECKPOINT_FORMAT, SCRIPT = 1, os.path.basename(__file__)
+RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_size")  # the rest: from the checkpoint
 
 
 def model_file(args: Args, run_name: str, agent: nn.Module) -> Dict:
     """What --save-model writes, and every checkpoint holds: enough to rebuild and run the policy."""
-    return dict(format=CHECKPOINT_FORMAT, script=SCRIPT, run_name=run_name, args=dataclasses.asdict(args), agent=agent.state_dict())
+    return dict(format=CHECKPOINT_FORMAT, script=SCRIPT, run_name=run_name, args=vars(args), agent=agent.state_dict())
 
 
-def save_checkpoint(path: str, state: Dict) -> float:
-    """Write atomically (a temporary file, fsynced, renamed over the old one): a crash mid-write leaves the previous
-    checkpoint intact. Returns the seconds it took."""
-    t0 = time.time()
+def save_checkpoint(path: str, state: Dict) -> None:
+    """Atomically: a temporary file, fsynced, renamed over the old one; a crash mid-write leaves the old one whole."""
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
-    return time.time() - t0
 
 
 def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
-    """A checkpoint (or --save-model file) of this script, or ArgError with one line saying why not.
+    """A checkpoint (or --save-model file) of this script and version, or ArgError with one line saying why not.
     weights_only: the file holds tensors and plain Python values only, and loading runs no code."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     try:
@@ -632,35 +698,40 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
         raise ArgError(f"{flag} {path}: no such file") from None
     except Exception as e:  # truncated, or not a torch file at all
         raise ArgError(f"{flag} {path}: not a readable checkpoint, perhaps truncated ({type(e).__name__})") from None
-    script = state.get("script") if isinstance(state, dict) else None
-    if script != SCRIPT:
+    if (script := state.get("script") if isinstance(state, dict) else None) != SCRIPT:
         raise ArgError(f"{flag} {path}: written by {script or 'something else'}, not by {SCRIPT}")
     if state.get("format") != CHECKPOINT_FORMAT or not {"run_name", "args", "agent"} <= state.keys():
-        raise ArgError(f"{flag} {path}: checkpoint format {state.get('format')}; this script reads format {CHECKPOINT_FORMAT}")
-    if differ := sorted(set(state["args"]) ^ {field.name for field in dataclasses.fields(Args)}):  # another version's flags
-        raise ArgError(f"{flag} {path}: written by a version of {SCRIPT} with other flags ({', '.join(differ)}); use that version")
+        raise ArgError(f"{flag} {path}: checkpoint format {state.get('format')}; {SCRIPT} reads {CHECKPOINT_FORMAT}")
+    if differ := sorted(set(state["args"]) ^ {f.name for f in dataclasses.fields(Args)}):  # another version's flags
+        raise ArgError(f"{flag} {path}: written by a version of {SCRIPT} with other flags ({', '.join(differ)})")
     return state
 
 
-def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict]:
-    """The checkpointed run's flags, with those of RESUMABLE that this command line gives; a training flag given with
-    another value is refused. `given`: the flags named on the command line (None: those off their defaults)."""
+def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, str]:
+    """The checkpointed run's flags, with those of RESUMABLE that this command line gives; a training flag given
+    with another value is refused. `given`: the flags named on the command line (None: those off their defaults).
+    Returns (args, checkpoint, the folder the checkpoint lives in: the resumed run writes there)."""
     state, defaults = load_checkpoint(args.resume), Args()
     saved = state["args"]
-    given = {n for n, v in dataclasses.asdict(args).items() if v != getattr(defaults, n)} if given is None else given
+    given = {n for n, v in vars(args).items() if v != getattr(defaults, n)} if given is None else given
     for name in sorted(given - set(RESUMABLE)):
         if getattr(args, name) != saved[name]:
-            raise ArgError(f"--{name.replace('_', '-')} {getattr(args, name)} conflicts with the checkpoint's {saved[name]}: "
-                           f"a resumed run keeps its training flags; leave it out")
+            raise ArgError(
+                f"--{name.replace('_', '-')} {getattr(args, name)} conflicts with the checkpoint's "
+                f"{saved[name]}: a resumed run keeps its training flags; leave it out"
+            )
     keep = {name: getattr(args, name) for name in given & set(RESUMABLE)}
     if keep.get("total_timesteps", saved["total_timesteps"]) < saved["total_timesteps"]:
-        raise ArgError(f"--total-timesteps may only be raised on --resume (the checkpoint's is {saved['total_timesteps']:,})")
-    return dataclasses.replace(Args(**saved), **keep), state
+        raise ArgError(
+            f"--total-timesteps may only be raised on --resume (the checkpoint's: {saved['total_timesteps']})"
+        )
+    run_dir = args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or "."
+    return dataclasses.replace(Args(**saved), **keep), state, os.path.normpath(run_dir)
 
 
 class StopSignal:
-    """SIGTERM and SIGINT ask the run to stop at the next rollout boundary; the last phase-boundary
-    checkpoint stays, so at most one phase is lost. A second signal stops it at once."""
+    """SIGTERM and SIGINT ask the run to stop at the next rollout boundary; the last phase-boundary checkpoint
+    stays, so at most one phase is lost. A second signal stops it at once."""
 
     def __init__(self):
         self.signum = 0
@@ -670,230 +741,268 @@ class StopSignal:
         if self.signum:
             sys.exit(128 + signum)
         self.signum = signum
-        os.write(sys.stdout.fileno(), f"\n{signal.Signals(signum).name}: stopping at the next rollout boundary (again: stop now)\n".encode())
+        message = f"\n{signal.Signals(signum).name}: stopping at the next rollout boundary (again: stop now)\n"
+        os.write(sys.stdout.fileno(), message.encode())
+
+    def agreed(self) -> int:
+        """The signal any worker got (0: none). Every worker asks at the same points, so all stop together."""
+        return int(all_reduce(torch.tensor(self.signum), "max"))
 
 
-# ==== 9. main(): the paper's Algorithm 1 ==================================================================
+class Logger:
+    """TensorBoard scalars in the run's folder (rank 0 alone writes them) and the console lines."""
+
+    def __init__(self, run_dir: str, args: Args, rank: int, resumed_step: Optional[int]):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step twice.
+        self.writer = SummaryWriter(run_dir, purge_step=resumed_step and resumed_step + 1) if rank == 0 else None
+        if self.writer and resumed_step is None:  # the flags, once
+            table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+        self.args, self.recent_returns, self.start = args, deque(maxlen=100), (time.time(), resumed_step or 0)
+
+    def scalars(self, prefix: str, values: Dict[str, float], step: int) -> None:
+        for k, v in values.items() if self.writer else ():
+            self.writer.add_scalar(prefix + k, v, step)
+
+    def episodes(self, episodes: List[Tuple[int, float, int]]) -> None:
+        """Every finished game of every worker (raw score of all lives), in step order."""
+        for step, ep_return, length in sorted(gather(episodes)):
+            self.scalars("charts/", dict(episodic_return=ep_return, episodic_length=length), step)
+            self.recent_returns.append(ep_return)
+
+    def rollout(self, progress: str, step: int, stats: Dict[str, float], eta: float) -> None:
+        sps = int((step - self.start[1]) / (time.time() - self.start[0]))
+        self.scalars("losses/", stats, step), self.scalars("charts/", dict(SPS=sps), step)
+        mean = np.mean(self.recent_returns) if self.recent_returns else float("nan")
+        eta_text = f"{eta / 3600:.1f}h" if eta >= 3600 else f"{eta / 60:.0f}min"
+        print(
+            f"{progress} step {step:,} SPS {sps} ETA {eta_text} return(last {len(self.recent_returns)}) {mean:.2f} "
+            f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}",
+            flush=True,
+        )
+
+    def phase(self, phase: int, step: int, since: Dict[str, float], phase_s: float, device: torch.device) -> Dict:
+        """The phase's seconds by part (timing/*) and peak memory, in TensorBoard and one line. Returns the seconds."""
+        seconds = {k: SPENT[k] - since.get(k, 0.0) for k in TIMED}
+        cuda = device.type == "cuda"  # ru_maxrss is in KiB on Linux
+        peak = (
+            torch.cuda.max_memory_allocated(device)
+            if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
+        self.scalars("timing/", {f"{k}_s": v for k, v in seconds.items()}, step)
+        self.scalars("charts/", dict(peak_memory_GiB=peak / 2**30), step)
+        print(
+            f"phase {phase} done in {phase_s:.1f}s: "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+            + f"; peak {'GPU memory' if cuda else 'RSS'} {peak / 2**30:.2f} GiB",
+            flush=True,
+        )
+        return dict(seconds, phase_s=phase_s)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+TIMED = ("rollout", "policy_update", "snapshot", "aux_epochs", "grad_allreduce")  # all-reduce: inside the updates
+
+
 def eta_seconds(args: Args, plan: Plan, iterations_done: int, aux_phases_left: int, spent: Dict[str, float]) -> float:
     """Time left at the measured costs. Until an aux phase has run, it costs the policy update's time per rollout and
     epoch (the same forward+backward) x its rollouts x E_aux + 1/3 epochs (the snapshot: a forward pass, a third)."""
-    per_aux = ((spent["snapshot"] + spent["aux_epochs"]) / spent["aux_phases"] if spent["aux_phases"] else
-               spent["policy_update"] / (iterations_done * max(args.e_pi, args.e_v)) * plan.aux_slots * (args.e_aux + 1 / 3))
+    per_update = spent["policy_update"] / (iterations_done * max(args.e_pi, args.e_v))
+    per_aux = (spent["snapshot"] + spent["aux_epochs"]) / spent["aux_phases"] if spent["aux_phases"] else None
     per_iteration = (spent["rollout"] + spent["policy_update"]) / iterations_done
+    per_aux = per_update * plan.aux_slots * (args.e_aux + 1 / 3) if per_aux is None else per_aux
     return (plan.num_iterations - iterations_done) * per_iteration + aux_phases_left * per_aux
 
 
+def print_plan(args: Args, plan: Plan, run_name: str, device, workers: int, phases_left: int, memory) -> None:
+    k_x, phases = f"{workers} workers x " if workers > 1 else "", -(-plan.num_iterations // args.n_pi)
+    rounded = f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
+    print(
+        f"run {run_name} on {device}: {phases} phases x N_pi={args.n_pi} iterations = {plan.num_iterations} rollouts "
+        f"of {k_x}{args.num_envs} envs x {args.num_steps} steps = {plan.total_env_steps:,} env steps"
+        + (rounded if plan.total_env_steps != args.total_timesteps else "")
+    )
+    aux = f"{phases_left - 1 if plan.num_aux_phases else 0} auxiliary phases of {plan.aux_minibatches} minibatches x {k_x}"
+    free = f" of {memory[1] / 2**30:.1f} GiB free" if memory[1] >= 0 else ""
+    print(
+        f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
+        f"{aux}{args.aux_mb_trajectories * args.num_steps} states; PPO minibatch {k_x}{plan.minibatch_size} states; "
+        f"observation buffer {k_x}{plan.buffer_bytes / 2**30:.2f} GiB uint8; need about {memory[0] / 2**30:.2f} GiB{free}"
+    )
+    chunk = args.micro_batch_size or "whole minibatches of"
+    print(f"precision {args.precision}; forward/backward in chunks of {chunk} states", flush=True)
+
+
+def stop_message(signum: int, step: int, saved: Optional[Tuple[int, int]], run_dir: str, workers: int) -> str:
+    """What a run stopped by a signal says: where it can resume from, and how."""
+    launch = "python" if workers == 1 else f"torchrun --standalone --nproc-per-node {workers}"
+    launch = launch if os.environ.get("LOCAL_WORLD_SIZE", "1") == str(workers) else "torchrun (as launched)"
+    where = f"the checkpoint after phase {saved[0]} (step {saved[1]:,}) stays; resume with: {launch} {SCRIPT} --resume"
+    return f"stopped by {signal.Signals(signum).name} at step {step:,}; " + (
+        f"{where} {run_dir}" if saved else "no checkpoint had been written yet"
+    )
+
+
+def parse_args() -> Tuple[Args, set]:
+    """The flags, and the names of those given on the command line (--no-cuda names cuda), for --resume. tyro's
+    boxed message about a bad flag becomes one line; under torchrun a machine's first worker alone prints it."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(Args)
+    except SystemExit as e:
+        if not e.code or int(os.environ.get("LOCAL_RANK", 0)):  # --help (it goes to stdout), or not the first worker
+            raise
+        title, *lines = [line.strip("│╭╮╰╯─ ") for line in captured.getvalue().strip().splitlines()] or [""]
+        sys.exit(f"error: {title}: {' '.join(lines[: lines.index('') if '' in lines else None])}")
+    return args, {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a[:2] == "--"}
+
+
+def prepare(args: Args, given: Optional[set], workers: int):
+    """Every flag checked and the memory estimated before any env, buffer or log exists: (args, the checkpoint of
+    --resume and its folder, device, plan, (bytes needed, bytes free)); or exit with one line a machine."""
+    try:
+        args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
+        if ckpt and ckpt.get("workers", 1) != workers:  # else the global batch would change
+            raise ArgError(f"--resume: the run had {ckpt.get('workers', 1)} workers; resume it with as many")
+        args, device = pick_device(args)
+        plan = make_plan(args, workers)
+        return args, ckpt, run_dir, device, plan, check_memory(args, plan, device)
+    except ArgError as e:
+        sys.exit(f"error: {e}" if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2)
+
+
+# ==== 9. main(): the paper's Algorithm 1 ==============================================================================
 def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
-    """Train; returns each phase's speed figures (tools/benchmark.py reads them). `given`: see resume_args.
+    """Train; returns each phase's seconds by part (tools/benchmark.py reads them). `given`: see resume_args.
     Under torchrun every worker runs this (torchrun sets RANK and WORLD_SIZE); rank 0 alone prints and writes."""
     rank, workers = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    launch = "python" if workers == 1 else f"torchrun --standalone --nproc-per-node {workers}" if os.environ.get(
-        "LOCAL_WORLD_SIZE") == str(workers) else "torchrun (as launched)"
-    try:
-        args, ckpt = resume_args(args, given) if args.resume else (args, None)
-        if ckpt and ckpt.get("workers", 1) != workers:  # else the global batch would change
-            raise ArgError(f"--resume: the run had {ckpt.get('workers', 1)} workers and resumes with as many, not {workers}")
-        args, device, precision_why = resolve_hardware(args)
-        plan = make_plan(args, workers)
-        mem_needed, mem_free = check_memory(args, plan, device)
-    except ArgError as e:
-        sys.exit(f"error: {e}" if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2)  # one line a machine (its file, its memory)
+    args, ckpt, run_dir, device, plan, memory = prepare(args, given, workers)
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
-
-    run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    # Phases and rollouts done: none, or the checkpoint's; the remaining rollouts run N_pi to a phase.
+    run_name = os.path.basename(run_dir) if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = run_dir or f"runs/{run_name}"
+    # Phases and rollouts done: none, or the checkpoint's. Each phase has N_pi rollouts (the last may have fewer).
     phase, iteration = (ckpt["phase"], ckpt["global_step"] // (plan.batch_size * workers)) if ckpt else (0, 0)
     num_phases = phase + -(-(plan.num_iterations - iteration) // args.n_pi)
-    k_x = f"{workers} workers x " if workers > 1 else ""
-    print(f"run {run_name} on {device}: {num_phases} phases x N_pi={args.n_pi} iterations = {plan.num_iterations} rollouts "
-          f"of {k_x}{args.num_envs} envs x {args.num_steps} steps = {plan.total_env_steps:,} env steps" +
-          (f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)" if plan.total_env_steps != args.total_timesteps else ""))
-    aux_plan = (f"{max(num_phases - phase - 1, 0) if args.e_aux else 0} auxiliary phases of {plan.aux_minibatches} minibatches "
-                f"x {k_x}{args.aux_mb_trajectories * args.num_steps} states" if plan.num_aux_phases else "no auxiliary phase")
-    print(f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; {aux_plan}; PPO "
-          f"minibatch {k_x}{plan.minibatch_size} states; observation buffer {k_x}{plan.buffer_bytes / 2**30:.2f} GiB uint8; "
-          f"estimated need {mem_needed / 2**30:.2f} GiB" + (f" of {mem_free / 2**30:.1f} GiB free" if mem_free >= 0 else ""))
-    print(f"precision {args.precision} ({precision_why}); forward/backward in chunks of {args.micro_batch_size or 'whole minibatches of'} states")
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step twice.
-    writer = SummaryWriter(f"runs/{run_name}", purge_step=ckpt["global_step"] + 1 if ckpt else None) if rank == 0 else None
-    if writer:  # rank 0 alone writes files
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    log = writer.add_scalar if writer else lambda tag, value, step: None
+    print_plan(args, plan, run_name, device, workers, num_phases - phase, memory)
+    log = Logger(run_dir, args, rank, ckpt["global_step"] if ckpt else None)
 
     # One random stream per start and worker: --seed, shifted by the phases done (so a resumed run is reproducible
-    # too) and by the rank (so no two workers play the same levels or sample the same actions).
+    # too) and by the rank (so no two workers play the same games or sample the same actions).
     seed = args.seed + 100_003 * phase + rank * args.num_envs
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # ---- Environment: env i is seeded with `seed` + i ----
+    # Environment (env i is seeded with `seed` + i), networks, the two optimizers
     envs = AtariVecEnv(args, args.num_envs, seed)
-    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
-
-    # ---- Networks and the two optimizers (each persists across phases) ----
     agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions, bf16=args.precision == "bf16").to(device)
-    policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
-    aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)
+    policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # each persists
+    aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # across phases
+    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
+    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
+    stateful["reward_normalizer"] = reward_normalizer
 
-    # ---- Buffers. Slot i of the auxiliary buffer IS the rollout buffer of iteration i of a phase: rollouts are written
-    # straight into it as uint8, so it costs no copy. Rows are whole trajectories (num_envs rows per rollout). ----
-    obs_buffer = torch.empty((plan.aux_slots * args.num_envs, args.num_steps, *OBS_SHAPE), dtype=torch.uint8, device=device)
-    returns_buffer = torch.zeros((plan.aux_slots * args.num_envs, args.num_steps), device=device)
-    shape = (args.num_envs, args.num_steps)
-    actions, ended = torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(shape, dtype=torch.bool, device=device)
-    logprobs, values, rewards = (torch.zeros(shape, device=device) for _ in range(3))
+    # Buffers. Slot i of the auxiliary buffer B IS the rollout buffer of iteration i of a phase: rollouts are written
+    # straight into it as uint8, at no copy. Rows are whole trajectories, num_envs rows per rollout.
+    rows = (plan.aux_slots * args.num_envs, args.num_steps)
+    obs_buffer = torch.empty((*rows, *OBS_SHAPE), dtype=torch.uint8, device=device)
+    returns_buffer = torch.zeros(rows, device=device)  # V_hat
+    rollout = {
+        k: torch.zeros((args.num_envs, args.num_steps), dtype=dtype, device=device)
+        for k, dtype in ROLLOUT_DTYPES.items()
+    }
 
-    global_step, aux_epochs_done, start_time, phase_reports, recent_returns = 0, 0, time.time(), [], deque(maxlen=100)
-    spent = dict(rollout=0.0, policy_update=0.0, snapshot=0.0, aux_epochs=0.0, aux_phases=0)  # seconds so far
-    # Everything a checkpoint holds with a state_dict: saved at each phase boundary, restored on --resume.
-    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer, reward_normalizer=reward_normalizer)
+    global_step, aux_epochs_done, phases, saved = 0, 0, [], None  # saved: (phase, step) of the last checkpoint
+    SPENT.clear()
     if ckpt:  # --resume: everything the checkpoint holds
         for name, thing in stateful.items():
             thing.load_state_dict(ckpt[name])
-        global_step, aux_epochs_done, spent = ckpt["global_step"], ckpt["aux_epochs_done"], ckpt["spent"]
-        recent_returns.extend(ckpt["recent_returns"])
-        print(f"resumed from runs/{run_name}/checkpoint.pt after phase {phase}, step {global_step:,}")
+        global_step, aux_epochs_done, saved = ckpt["global_step"], ckpt["aux_epochs_done"], (phase, ckpt["global_step"])
+        SPENT.update(ckpt["spent"]), log.recent_returns.extend(ckpt["recent_returns"])
+        print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}")
     if workers > 1:
         start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
-    stop, start_step, checkpointed, signum = StopSignal(), global_step, (phase, global_step) if ckpt else None, 0
+    stop, next_obs = StopSignal(), torch.from_numpy(envs.reset()).to(device)
+    try:
+        while iteration < plan.num_iterations and not stop.agreed():
+            phase, phase_start, since, signum = phase + 1, time.time(), dict(SPENT), 0
+            # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
+            for i in range(min(args.n_pi, plan.num_iterations - iteration)):
+                iteration, slot = (
+                    iteration + 1,
+                    slice(i % plan.aux_slots * args.num_envs, (i % plan.aux_slots + 1) * args.num_envs),
+                )
+                with timed("rollout"):
+                    next_obs, global_step, next_value, episodes = collect_rollout(
+                        agent, envs, next_obs, obs_buffer[slot], rollout, global_step
+                    )
+                    rewards, ended, values = rollout["rewards"], rollout["ended"], rollout["values"]
+                    if args.norm_reward:  # once per rollout: update the return statistics, then scale
+                        rewards.copy_(torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ended.cpu().numpy())))
+                    # GAE with the value network's predictions; the targets V_hat = V + A
+                    advantages, returns = compute_gae(rewards, values, ended, next_value, args.gamma, args.gae_lambda)
+                log.episodes(episodes)
+                with timed("policy_update"):
+                    batch = dict(obs=obs_buffer[slot].flatten(0, 1), returns=returns.flatten())
+                    batch.update({k: rollout[k].flatten() for k in ("actions", "logprobs")})
+                    batch["advantages"] = normalise_advantages(advantages).flatten()
+                    stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
+                returns_buffer[slot] = returns  # V_hat for the auxiliary phase (the observations are in B already)
 
-    def guarded(where: str, update: Callable, *update_args):  # a non-finite gradient stops the run with one line
-        try:
-            return update(*update_args)
-        except NonFiniteError as e:
-            if writer:
-                writer.close()
-            sys.exit(f"error: phase {phase}, iteration {iteration}: {e} in the {where}; stopped before the optimizer "
-                     f"step, and the last checkpoint is unchanged")
-
-    next_obs = torch.from_numpy(envs.reset()).to(device)
-    while iteration < plan.num_iterations and not (signum := int(all_reduce(torch.tensor(stop.signum), "max"))):
-        phase, phase_start, spent_before, allreduce_before = phase + 1, time.time(), dict(spent), GRAD_ALLREDUCE_S[0]
-        phase_iterations = min(args.n_pi, plan.num_iterations - iteration)
-        # ============ Policy phase: N_pi iterations of rollout + PPO ============
-        for it in range(phase_iterations):
-            iteration += 1
-            rows = slice((it % plan.aux_slots) * args.num_envs, (it % plan.aux_slots + 1) * args.num_envs)
-            rollout_obs = obs_buffer[rows]
-
-            # -- Collect a rollout with the current policy (no autograd) --
-            t0, episodes = time.time(), []
-            with torch.no_grad():
-                for step in range(args.num_steps):
-                    rollout_obs[:, step] = next_obs
-                    logits, value, _ = agent(next_obs)
-                    pi = torch.distributions.Categorical(logits=logits)
-                    action = pi.sample()
-                    actions[:, step], logprobs[:, step], values[:, step] = action, pi.log_prob(action), value
-                    obs_np, reward_np, done_np, finished = envs.step(action.cpu().numpy())
-                    rewards[:, step] = torch.from_numpy(reward_np).to(device)
-                    ended[:, step] = torch.from_numpy(done_np).to(device)
-                    next_obs = torch.from_numpy(obs_np).to(device)
-                    global_step += args.num_envs * workers  # the workers step in lockstep
-                    episodes += [(global_step, ep_return, ep_length) for _, ep_return, ep_length in finished]
-                if args.norm_reward:  # once per rollout: update the return statistics, then scale
-                    rewards.copy_(torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ended.cpu().numpy())))
-                # -- GAE with the value network's predictions; V_hat = V + A --
-                advantages, returns = compute_gae(rewards, values, ended, agent(next_obs)[1], args.gamma, args.gae_lambda)
-            for step, ep_return, ep_length in gather(episodes):  # every finished game of every worker, raw score of all lives
-                log("charts/episodic_return", ep_return, step)
-                log("charts/episodic_length", ep_length, step)
-                recent_returns.append(ep_return)
-            spent["rollout"] += time.time() - t0
-
-            # -- E_pi epochs of PPO on the policy, E_V epochs of value loss (advantages normalised once, over all workers) --
-            t0, (_, adv_mean, adv_var) = time.time(), global_moments(advantages)
-            batch = dict(obs=rollout_obs.flatten(0, 1), actions=actions.flatten(), logprobs=logprobs.flatten(),
-                         advantages=((advantages - adv_mean) / (math.sqrt(adv_var) + 1e-8)).flatten(), returns=returns.flatten())
-            stats = guarded("policy update", policy_phase_update, agent, policy_optimizer, batch, args, plan)
-            spent["policy_update"] += time.time() - t0
-            returns_buffer[rows] = returns  # V_hat for the auxiliary phase (the observations are already in place)
-
-            var_y = global_moments(returns)[2]
-            explained_var = float("nan") if var_y == 0 else 1 - global_moments(returns - values)[2] / var_y
-            for k, v in stats.items():
-                log(f"losses/{k}", v, global_step)
-            log("losses/explained_variance", explained_var, global_step)
-            sps = int((global_step - start_step) / (time.time() - start_time))
-            log("charts/SPS", sps, global_step)
-            eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, spent)
-            print(f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations} step {global_step:,}/{plan.total_env_steps:,} "
-                  f"SPS {sps} ETA {f'{eta / 3600:.1f}h' if eta >= 3600 else f'{eta / 60:.0f}min'} return(last {len(recent_returns)}) "
-                  f"{np.mean(recent_returns) if recent_returns else float('nan'):.2f} policy_loss {stats['policy_loss']:.4f} "
-                  f"value_loss {stats['value_loss']:.4f}", flush=True)
-            signum = int(all_reduce(torch.tensor(stop.signum), "max"))  # all workers stop at the same rollout boundary
+                var_y = global_moments(returns)[2]
+                stats["explained_variance"] = 1 - global_moments(returns - values)[2] / var_y if var_y else math.nan
+                eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, SPENT)
+                log.rollout(
+                    f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations}", global_step, stats, eta
+                )
+                if iteration < plan.num_iterations and (signum := stop.agreed()):  # (the last rollout ends the run)
+                    break
             if signum:
-                break
-        if signum:
-            break  # before the aux phase: the run resumes from the last phase boundary
+                break  # before the aux phase: the run resumes from the last phase boundary
 
-        # ============ Auxiliary phase: snapshot pi_old, E_aux epochs, then the buffer is reused ============
-        aux = None
-        if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing uses it
-            aux = guarded("auxiliary phase", auxiliary_phase, agent, aux_optimizer, obs_buffer, returns_buffer, args)
-            aux_epochs_done += len(aux["epochs"])
-            log("charts/aux_epochs", len(aux["epochs"]), global_step)
-            if aux["stopped_early"]:
-                print(f"phase {phase}: auxiliary phase stopped after epoch {len(aux['epochs'])}/{args.e_aux}: mean clone "
-                      f"KL {aux['epochs'][-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}", flush=True)
-            spent.update(snapshot=spent["snapshot"] + aux["snapshot_s"], aux_epochs=spent["aux_epochs"] + aux["aux_s"],
-                         aux_phases=spent["aux_phases"] + 1)
+            # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B, then B is reused ============
+            aux_epochs = []
+            if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing would use it
+                aux_epochs = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
+                aux_epochs_done += len(aux_epochs)
+                log.scalars("charts/", dict(aux_epochs=len(aux_epochs)), global_step)
+            phase_s = time.time() - phase_start
 
-        phase_s = time.time() - phase_start
-        # ---- Per-phase report: where the time went (the gradient all-reduce is inside the update and aux epochs), a
-        # worker's forward+backward states/s, peak memory; a check that all workers hold the same parameters; then
-        # the checkpoint, where --resume continues ----
-        timings = {k: spent[k] - spent_before[k] for k in ("rollout", "policy_update", "snapshot", "aux_epochs")}
-        timings["grad_allreduce"] = GRAD_ALLREDUCE_S[0] - allreduce_before  # 0 without torchrun
-        for k, v in timings.items():
-            log(f"timing/{k}_s", v, global_step)
-        steps = phase_iterations * plan.batch_size  # of one worker
-        report = dict(whole_phase_sps=steps * workers / phase_s,
-                      policy_phase_sps=steps * workers / (timings["rollout"] + timings["policy_update"]),
-                      update_states_per_s=steps * max(args.e_pi, args.e_v) / timings["policy_update"],
-                      aux_states_per_s=len(aux["epochs"]) * obs_buffer.shape[:2].numel() / aux["aux_s"] if aux else 0.0)
-        phase_reports.append(dict(report, grad_allreduce_s=timings["grad_allreduce"]))
-        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-        log("charts/peak_memory_GiB", peak / 2**30, global_step)
-        if len(set(gather([float(sum(p.detach().double().sum() for p in agent.parameters()))]))) > 1:
-            sys.exit(f"error: phase {phase}: the workers' parameters differ; a bug in {SCRIPT}, please report it")
-        checkpoint_s = save_checkpoint(f"runs/{run_name}/checkpoint.pt", dict(
-            model_file(args, run_name, agent), **{name: thing.state_dict() for name, thing in stateful.items()}, workers=workers,
-            global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns),
-            spent=spent)) if rank == 0 else 0.0
-        checkpointed = (phase, global_step)
-        # aux/ tags (x-axis: aux epochs run) only now: purge_step covers env steps, not epochs
-        for epoch, epoch_stats in enumerate(aux["epochs"] if aux else []):
-            for k, v in epoch_stats.items():
-                log(f"aux/{k}", v, aux_epochs_done - len(aux["epochs"]) + 1 + epoch)
-        print(f"phase {phase} done in {phase_s:.1f}s: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()) +
-              f"; SPS whole-phase {report['whole_phase_sps']:.0f}, policy-phase {report['policy_phase_sps']:.0f}; forward+backward "
-              f"states/s a worker: update {report['update_states_per_s']:.0f}" + (f", aux epochs {report['aux_states_per_s']:.0f}; " if aux else "; ") +
-              f"peak {'GPU memory' if device.type == 'cuda' else 'RSS'} {peak / 2**30:.2f} GiB (observation buffer "
-              f"{plan.buffer_bytes / 2**30:.2f} GiB); checkpoint {checkpoint_s:.1f}s", flush=True)
+            # ---- The phase boundary: its report, then the checkpoint that --resume continues from ----
+            phases.append(dict(log.phase(phase, global_step, since, phase_s, device), aux_epochs_run=len(aux_epochs)))
+            counters = dict(workers=workers, global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done)
+            if rank == 0:
+                state = {name: thing.state_dict() for name, thing in stateful.items()}
+                state.update(counters, recent_returns=list(log.recent_returns), spent=dict(SPENT))
+                save_checkpoint(f"{run_dir}/checkpoint.pt", dict(model_file(args, run_name, agent), **state))
+            saved = (phase, global_step)
+            for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs run; logged after the checkpoint,
+                log.scalars("aux/", epoch_stats, aux_epochs_done - len(aux_epochs) + 1 + epoch)  # as purge_step can't
+    except NonFiniteError as e:
+        log.close()
+        sys.exit(f"error: phase {phase}, iteration {iteration}: {e}; stopped before that step; checkpoint unchanged")
 
-    envs.close()
-    if writer:
-        writer.close()
+    envs.close(), log.close()
+    signum = stop.agreed()
     if dist.is_initialized():
         dist.destroy_process_group()
     if signum and iteration < plan.num_iterations:
-        print(f"stopped by {signal.Signals(signum).name} at step {global_step:,}; " + (
-            f"the checkpoint after phase {checkpointed[0]} (step {checkpointed[1]:,}) stays; resume with: {launch} {SCRIPT} "
-            f"--resume runs/{run_name}" if checkpointed else "no checkpoint had been written yet"))
+        print(stop_message(signum, global_step, saved, run_dir, workers))
         sys.exit(128 + signum)
+    if signum:
+        print(f"{signal.Signals(signum).name} came during the last rollout: the run finished and wrote its checkpoint")
     if args.save_model and rank == 0:
-        torch.save(model_file(args, run_name, agent), f"runs/{run_name}/{args.exp_name}.pt")
-        print(f"model saved to runs/{run_name}/{args.exp_name}.pt")
-    return phase_reports
+        torch.save(model_file(args, run_name, agent), f"{run_dir}/{args.exp_name}.pt")
+        print(f"model saved to {run_dir}/{args.exp_name}.pt")
+    return phases
 
 
-if __name__ == "__main__":  # given: the flags named on the command line (--no-cuda names cuda), for --resume
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet if int(os.environ.get("LOCAL_RANK", 0)) else sys.stderr):
-        cli_args = tyro.cli(Args)  # under torchrun, a machine's first worker alone reports flags tyro rejects
-    main(cli_args, {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a[:2] == "--"})
+if __name__ == "__main__":
+    main(*parse_args())

@@ -18,8 +18,24 @@ SCRIPTS = ["ppg_procgen.py", "ppg_atari.py"]
 # this short: dodgeball ends random episodes within ~10 steps; Atari games are cut after 100 frames.
 # One PPO minibatch per rollout and one aux minibatch per epoch, so each logged approx_kl is a first
 # minibatch's (ratio 1) and the first aux epoch's clone KL is the first minibatch's (pi_old = pi).
-_TINY = ["--num-envs", "2", "--num-steps", "32", "--n-pi", "2", "--total-timesteps", "192", "--num-minibatches", "1",
-         "--aux-mb-trajectories", "4", "--e-aux", "2", "--micro-batch-size", "8"]
+_TINY = [
+    "--num-envs",
+    "2",
+    "--num-steps",
+    "32",
+    "--n-pi",
+    "2",
+    "--total-timesteps",
+    "192",
+    "--num-minibatches",
+    "1",
+    "--aux-mb-trajectories",
+    "4",
+    "--e-aux",
+    "2",
+    "--micro-batch-size",
+    "8",
+]
 TINY_FLAGS = {
     "ppg_procgen.py": ["--env-id", "dodgeball", *_TINY],
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],
@@ -45,8 +61,9 @@ def script(request):
 
 def run_script(name: str, *flags: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, str(ROOT / name), *flags], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / name), *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_scalars(run_dir) -> dict:
@@ -66,17 +83,30 @@ def random_obs(module, n: int) -> torch.Tensor:
 def random_batch(module, n: int, num_actions: int) -> dict:
     """A rollout-shaped batch as main() hands it to policy_phase_update."""
     g = torch.Generator().manual_seed(0)
-    return dict(obs=torch.randint(0, 256, (n, *module.OBS_SHAPE), dtype=torch.uint8, generator=g),
-                actions=torch.randint(0, num_actions, (n,), generator=g),
-                logprobs=torch.full((n,), -float(torch.log(torch.tensor(float(num_actions))))),
-                advantages=torch.randn(n, generator=g), returns=torch.randn(n, generator=g))
+    return dict(
+        obs=torch.randint(0, 256, (n, *module.OBS_SHAPE), dtype=torch.uint8, generator=g),
+        actions=torch.randint(0, num_actions, (n,), generator=g),
+        logprobs=torch.full((n,), -float(torch.log(torch.tensor(float(num_actions))))),
+        advantages=torch.randn(n, generator=g),
+        returns=torch.randn(n, generator=g),
+    )
 
 
 def dp_check_setup(module, workers: int):
     """The same agent and data for one process on the whole batch and for each of `workers` processes on
     its share: 32 states (4 trajectories of 8 steps); one policy-phase and one auxiliary minibatch each."""
-    args = module.Args(num_envs=4 // workers, num_steps=8, n_pi=1, num_minibatches=1, e_aux=1, aux_mb_trajectories=4 // workers,
-                       micro_batch_size=0, precision="fp32", total_timesteps=10**6, aux_kl_stop=0.0)
+    args = module.Args(
+        num_envs=4 // workers,
+        num_steps=8,
+        n_pi=1,
+        num_minibatches=1,
+        e_aux=1,
+        aux_mb_trajectories=4 // workers,
+        micro_batch_size=0,
+        precision="fp32",
+        total_timesteps=10**6,
+        aux_kl_stop=0.0,
+    )
     torch.manual_seed(0)
     agent = module.PPGAgent("dual", module.OBS_SHAPE, 6)
     g = torch.Generator().manual_seed(1)
@@ -89,5 +119,12 @@ def torchrun(workers: int, *argv: str, cwd, timeout: float = 240, **popen) -> su
     """`torchrun --standalone --nproc-per-node workers argv...` (one thread a worker), bounded by a timeout
     so that a hang fails the test instead of the suite."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
-                           *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers), *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )

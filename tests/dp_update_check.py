@@ -17,11 +17,25 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 agent, args, batch, obs_buffer, returns_buffer, values = dp_check_setup(script, workers=world)
 rows, states = slice(rank * 2, rank * 2 + 2), slice(rank * 16, rank * 16 + 16)  # this worker's half
-stats = script.policy_phase_update(agent, torch.optim.SGD(agent.parameters(), lr=0.1),
-                                   {k: v[states] for k, v in batch.items()}, args, script.make_plan(args, world))
-aux = script.auxiliary_phase(agent, torch.optim.SGD(agent.parameters(), lr=0.1), obs_buffer[rows], returns_buffer[rows], args)
-torch.save(dict(params=[p.detach() for p in agent.parameters()], stats=stats, aux=aux["epochs"],
-                moments=script.global_moments(values[states]), gathered=script.gather([rank, f"worker {rank}"]),
-                means=script.mean_over_workers({"clone_kl": [torch.tensor(0.01 + 0.02 * rank)] * 2})),
-           pathlib.Path(sys.argv[2]) / f"rank{rank}.pt")
+stats = script.policy_phase_update(
+    agent,
+    torch.optim.SGD(agent.parameters(), lr=0.1),
+    {k: v[states] for k, v in batch.items()},
+    args,
+    script.make_plan(args, world),
+)
+aux = script.auxiliary_phase(
+    agent, torch.optim.SGD(agent.parameters(), lr=0.1), obs_buffer[rows], returns_buffer[rows], args
+)
+torch.save(
+    dict(
+        params=[p.detach() for p in agent.parameters()],
+        stats=stats,
+        aux=aux,
+        moments=script.global_moments(values[states]),
+        gathered=script.gather([rank, f"worker {rank}"]),
+        means=script.mean_over_workers({"clone_kl": [torch.tensor(0.01 + 0.02 * rank)] * 2}),
+    ),
+    pathlib.Path(sys.argv[2]) / f"rank{rank}.pt",
+)
 dist.destroy_process_group()

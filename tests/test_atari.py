@@ -52,7 +52,7 @@ def test_whole_game_returns_logged_while_training_sees_lives_and_clipped_rewards
     for env in range(2):
         ends = np.flatnonzero(game_d[:, env])
         starts = np.concatenate([[0], ends[:-1] + 1])
-        scores = [raw_r[s:e + 1, env].sum() for s, e in zip(starts, ends)]
+        scores = [raw_r[s : e + 1, env].sum() for s, e in zip(starts, ends)]
         assert scores == [ret for i, ret, _ in games if i == env]
         assert [e - s + 1 for s, e in zip(starts, ends)] == [length for i, _, length in games if i == env]
 
@@ -60,8 +60,13 @@ def test_whole_game_returns_logged_while_training_sees_lives_and_clipped_rewards
 def test_orthogonal_init():
     torch.manual_seed(0)
     agent = atari.PPGAgent("dual", atari.OBS_SHAPE, 4)
-    for layer, gain in [(agent.pi_trunk.dense, math.sqrt(2)), (agent.pi_head, 0.01), (agent.value_head, 1.0),
-                        (agent.aux_value_head, 1.0), (agent.v_trunk.convs[0], math.sqrt(2))]:
+    for layer, gain in [
+        (agent.pi_trunk.dense, math.sqrt(2)),
+        (agent.pi_head, 0.01),
+        (agent.value_head, 1.0),
+        (agent.aux_value_head, 1.0),
+        (agent.v_trunk.convs[0], math.sqrt(2)),
+    ]:
         w = layer.weight.detach().flatten(1)
         rows = w @ w.T  # orthogonal rows (fewer rows than columns here): W W^T = gain^2 I
         assert torch.allclose(rows, gain**2 * torch.eye(w.shape[0]), atol=1e-4 * max(1, gain**2)), layer

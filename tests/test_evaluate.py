@@ -15,8 +15,13 @@ from conftest import ROOT, SCRIPTS, TINY_FLAGS, run_script
 
 def evaluate(path, *flags: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), str(path), *flags], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "evaluate.py"), str(path), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

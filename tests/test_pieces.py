@@ -13,8 +13,16 @@ A = 6  # actions of the test agents
 
 
 def small_args(module, **overrides):
-    base = dict(num_envs=2, num_steps=8, num_minibatches=2, n_pi=2, aux_mb_trajectories=2, e_aux=2,
-                micro_batch_size=0, total_timesteps=10_000)
+    base = dict(
+        num_envs=2,
+        num_steps=8,
+        num_minibatches=2,
+        n_pi=2,
+        aux_mb_trajectories=2,
+        e_aux=2,
+        micro_batch_size=0,
+        total_timesteps=10_000,
+    )
     base.update(overrides)
     return module.Args(**base)
 
@@ -33,7 +41,9 @@ def test_seed_worked_example(script):
     assert round(float(l_clone), 4) == 0.0038
     assert round(float(joint), 4) == 0.5038
     # KL(old || new), not KL(new || old): 0.00381 against 0.00368 here
-    assert float(l_clone) == pytest.approx(0.7311 * math.log(0.7311 / 0.7685) + 0.2689 * math.log(0.2689 / 0.2315), abs=2e-4)
+    assert float(l_clone) == pytest.approx(
+        0.7311 * math.log(0.7311 / 0.7685) + 0.2689 * math.log(0.2689 / 0.2315), abs=2e-4
+    )
     reverse = script.clone_kl(new, old)
     assert abs(float(reverse) - float(l_clone)) > 1e-5
 
@@ -72,8 +82,13 @@ def test_normed_init_norms(arch):
         return layer.weight.detach().flatten(1).norm(dim=1)
 
     convs = [m for m in agent.pi_trunk.modules() if isinstance(m, torch.nn.Conv2d)]
-    residual = {id(c) for block in agent.pi_trunk.modules() if isinstance(block, script.ResidualBlock)
-                for c in block.modules() if isinstance(c, torch.nn.Conv2d)}
+    residual = {
+        id(c)
+        for block in agent.pi_trunk.modules()
+        if isinstance(block, script.ResidualBlock)
+        for c in block.modules()
+        if isinstance(c, torch.nn.Conv2d)
+    }
     assert len(convs) == 15 and len(residual) == 12  # 3 stacks x (1 conv + 2 blocks x 2 convs)
     res_scale = math.sqrt(1 / math.sqrt(3) / math.sqrt(2))
     for layer in convs:
@@ -124,17 +139,12 @@ def test_reward_normalizer_scales_a_rollout_by_statistics_that_include_it(script
     assert np.allclose(out, rewards / np.sqrt(var + 1e-8)) and out[0, 0] == pytest.approx(0.894, abs=1e-3)
 
 
-def test_auto_precision_follows_the_hardware(script, monkeypatch):
-    monkeypatch.setattr(script, "bf16_is_native", lambda device: (False, "test: no bf16"))
-    args, device, why = script.resolve_hardware(script.Args(precision="auto", cuda=False))
-    assert args.precision == "fp32" and why == "auto: test: no bf16"
+def test_fp32_is_the_default_and_the_cpu_chunk_is_the_measured_one(script):
+    args, device = script.pick_device(script.Args(cuda=False))
+    assert script.Args().precision == "fp32" and args.precision == "fp32" and device.type == "cpu"
     assert args.micro_batch_size == script.CPU_MICRO_BATCH  # None: the CPU's measured best
-    monkeypatch.setattr(script, "bf16_is_native", lambda device: (True, "test: bf16"))
-    assert script.resolve_hardware(script.Args(precision="auto", cuda=False))[0].precision == "bf16"
-    args = script.resolve_hardware(script.Args(precision="fp32", micro_batch_size=0, cuda=False))[0]
-    assert args.precision == "fp32" and args.micro_batch_size == 0
-    with pytest.raises(script.ArgError, match="--precision"):
-        script.resolve_hardware(script.Args(precision="fp16"))
+    args = script.pick_device(script.Args(precision="bf16", micro_batch_size=0, cuda=False))[0]
+    assert args.precision == "bf16" and args.micro_batch_size == 0
 
 
 @pytest.mark.parametrize("arch", ["dual", "shared"])
@@ -148,10 +158,12 @@ def test_bf16_gradients_point_the_same_way(script, arch):
         batch = random_batch(script, 64, A)
         logits, values, aux_values = agent(batch["obs"])
         assert logits.dtype == values.dtype == aux_values.dtype == torch.float32
-        pg_loss, entropy, _, _ = script.ppo_policy_loss(logits, batch["actions"], batch["logprobs"],
-                                                        batch["advantages"], 0.2)
-        joint, _, _ = script.aux_joint_loss(aux_values, batch["returns"], logits.detach() + 0.3 * torch.randn_like(logits),
-                                            logits, 1.0)
+        pg_loss, entropy, _, _ = script.ppo_policy_loss(
+            logits, batch["actions"], batch["logprobs"], batch["advantages"], 0.2
+        )
+        joint, _, _ = script.aux_joint_loss(
+            aux_values, batch["returns"], logits.detach() + 0.3 * torch.randn_like(logits), logits, 1.0
+        )
         (pg_loss - 0.01 * entropy + script.value_loss(values, batch["returns"]) + joint).backward()
         assert all(p.grad.dtype == torch.float32 for p in agent.parameters() if p.grad is not None)
         grads[bf16] = torch.cat([p.grad.flatten() for p in agent.parameters() if p.grad is not None])
@@ -186,7 +198,7 @@ def test_chunked_gradients_equal_whole_minibatch(script, arch):
         stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args, script.make_plan(args))
         obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
         aux = script.auxiliary_phase(agent, aux_opt, obs_buf, torch.randn(4, 8), args)
-        results.append(([p.detach() - s for p, s in zip(agent.parameters(), start)], stats, aux["epochs"]))
+        results.append(([p.detach() - s for p, s in zip(agent.parameters(), start)], stats, aux))
     (d0, s0, e0), (d1, s1, e1) = results
     assert all(bool(torch.count_nonzero(d)) for d in d0)  # every parameter was trained
     for a, b in zip(d0, d1):
@@ -304,8 +316,8 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
     # one minibatch per epoch: epoch 1's mean KL is the first minibatch's; epoch 2 follows one update
     args = small_args(script, e_aux=2, aux_mb_trajectories=4, aux_kl_stop=0.0)
     aux = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets, args)
-    assert aux["epochs"][0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
-    assert aux["epochs"][1]["clone_kl"] > 1e-5
+    assert aux[0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
+    assert aux[1]["clone_kl"] > 1e-5
     old = script.snapshot_policy(agent, obs_buf, chunk=5)
     assert old.shape == (4, 8, A)
     with torch.no_grad():
@@ -313,23 +325,38 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
         assert torch.allclose(old, agent.logits(obs_buf.flatten(0, 1)).view(4, 8, A), atol=1e-6)
 
 
-def test_kl_guard_stops_aux_phase(script):
+def test_kl_guard_stops_aux_phase(script, capsys):
     agent = make_agent(script, "dual")
     obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
     targets = torch.randn(4, 8) * 5
-    guarded = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets,
-                                     small_args(script, e_aux=3, aux_kl_stop=1e-9))
-    assert guarded["stopped_early"] and len(guarded["epochs"]) == 1
-    assert guarded["epochs"][0]["clone_kl"] > 1e-9
+    guarded = script.auxiliary_phase(
+        agent,
+        torch.optim.Adam(agent.parameters(), lr=1e-2),
+        obs_buf,
+        targets,
+        small_args(script, e_aux=3, aux_kl_stop=1e-9),
+    )
+    assert len(guarded) == 1 and guarded[0]["clone_kl"] > 1e-9
+    assert "auxiliary phase stopped after epoch 1/3" in capsys.readouterr().out
     agent = make_agent(script, "dual")
-    unguarded = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets,
-                                       small_args(script, e_aux=3, aux_kl_stop=0.0))
-    assert not unguarded["stopped_early"] and len(unguarded["epochs"]) == 3
+    unguarded = script.auxiliary_phase(
+        agent,
+        torch.optim.Adam(agent.parameters(), lr=1e-2),
+        obs_buf,
+        targets,
+        small_args(script, e_aux=3, aux_kl_stop=0.0),
+    )
+    assert len(unguarded) == 3
     # crossing the threshold in the last epoch skips nothing, so it is not reported as a stop
     agent = make_agent(script, "dual")
-    last = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets,
-                                  small_args(script, e_aux=1, aux_kl_stop=1e-9))
-    assert not last["stopped_early"] and len(last["epochs"]) == 1
+    last = script.auxiliary_phase(
+        agent,
+        torch.optim.Adam(agent.parameters(), lr=1e-2),
+        obs_buf,
+        targets,
+        small_args(script, e_aux=1, aux_kl_stop=1e-9),
+    )
+    assert len(last) == 1 and "stopped" not in capsys.readouterr().out
 
 
 def test_plan_counts_and_rounding(script):

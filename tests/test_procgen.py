@@ -27,6 +27,10 @@ def test_same_seed_same_levels():
 
 
 def test_normalised_score_uses_the_mode_table():
-    assert procgen.normalised_score(procgen.Args(env_id="bigfish", distribution_mode="easy"), 40.0) == pytest.approx(1.0)
-    assert procgen.normalised_score(procgen.Args(env_id="bigfish", distribution_mode="hard"), 20.0) == pytest.approx(0.5)
+    assert procgen.normalised_score(procgen.Args(env_id="bigfish", distribution_mode="easy"), 40.0) == pytest.approx(
+        1.0
+    )
+    assert procgen.normalised_score(procgen.Args(env_id="bigfish", distribution_mode="hard"), 20.0) == pytest.approx(
+        0.5
+    )
     assert set(procgen.NORMALISATION["easy"]) == set(procgen.PROCGEN_GAMES) == set(procgen.NORMALISATION["hard"])

@@ -17,8 +17,12 @@ def test_summarise_run_reads_returns_at_steps(tmp_path):
         writer.add_scalar("charts/episodic_return", float(i), (i + 1) * 1000)
     writer.add_scalar("charts/SPS", 123.0, 300_000)
     writer.close()
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "summarise_run.py"), str(tmp_path), "--at", "150000",
-                          "400000"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "summarise_run.py"), str(tmp_path), "--at", "150000", "400000"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     # the 100 episodes up to step 150,000 have returns 50..149: mean 99.5
     assert "150,000 steps: mean return   99.50 over the last 100 episodes" in out
     assert "400,000 steps: not reached" in out
@@ -40,8 +44,11 @@ def test_plot_runs_draws_a_png(tmp_path):
     _write_run(tmp_path / "run_b", 5.0)
     out = tmp_path / "returns.png"
     tool = [sys.executable, str(ROOT / "tools" / "plot_runs.py")]
-    done = subprocess.run([*tool, str(tmp_path / "run_a"), str(tmp_path / "run_b"), "--labels", "PPG", "PPO", "--out",
-                           str(out)], capture_output=True, text=True)
+    done = subprocess.run(
+        [*tool, str(tmp_path / "run_a"), str(tmp_path / "run_b"), "--labels", "PPG", "PPO", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     png = out.read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
@@ -49,8 +56,9 @@ def test_plot_runs_draws_a_png(tmp_path):
     assert image.imread(str(out)).shape[:2] == (440, 770)  # figsize (7, 4) inches at 110 dpi
 
     # a missing run folder: one line naming it, not a traceback
-    done = subprocess.run([*tool, str(tmp_path / "run_a"), str(tmp_path / "nope"), "--out", str(out)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [*tool, str(tmp_path / "run_a"), str(tmp_path / "nope"), "--out", str(out)], capture_output=True, text=True
+    )
     assert done.returncode != 0
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error") and "nope" in line and "Traceback" not in done.stderr

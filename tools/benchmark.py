@@ -1,15 +1,15 @@
 """How fast a script's networks run, and how close its training loop comes to that speed.
 
-    python tools/benchmark.py ppg_procgen.py                        # the script's defaults
-    python tools/benchmark.py ppg_procgen.py --precision fp32 --micro-batch-size 512
+    python tools/benchmark.py ppg_procgen.py                        # the script's defaults (fp32, chunk 256 on a CPU)
+    python tools/benchmark.py ppg_procgen.py --precision bf16
     python tools/benchmark.py ppg_atari.py --sweep --no-train       # the chunk-size table of the README
 
 1. raw: forward, and forward+backward (loss = sum of the outputs), of the script's own PPGAgent on
    random uint8 states, fed in chunks exactly as training feeds them;
 2. train: the script's own main() on a scaled config (the default minibatch shapes with a short
-   phase, see SCALED), then the loop's efficiency: the forward+backward states/s that the policy
-   update and the aux epochs achieved, divided by the raw speed of the same chunks (goal >= 0.9),
-   and the whole-phase env steps/s.
+   phase, see SCALED); from the seconds main() returns for its first phase, the loop's efficiency:
+   the forward+backward states/s that the policy update and the aux epochs achieved, divided by the
+   raw speed of the same chunks (goal >= 0.9), and the whole-phase env steps/s.
 --sweep first prints raw forward+backward states/s for fp32 and bf16 over several chunk sizes.
 
 Under `torchrun --standalone --nproc-per-node K tools/benchmark.py ...` the scaled run is data parallel:
@@ -33,8 +33,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # so these keep the default minibatch shapes and shrink the phase: one phase with an aux phase, then
 # one rollout (the last rollout never has an aux phase).
 SCALED = {
-    "ppg_procgen.py": ["--env-id", "bigfish", "--num-envs", "64", "--num-steps", "32", "--n-pi", "2",
-                       "--num-minibatches", "1", "--aux-mb-trajectories", "32", "--total-timesteps", "6144"],
+    "ppg_procgen.py": [
+        "--env-id",
+        "bigfish",
+        "--num-envs",
+        "64",
+        "--num-steps",
+        "32",
+        "--n-pi",
+        "2",
+        "--num-minibatches",
+        "1",
+        "--aux-mb-trajectories",
+        "32",
+        "--total-timesteps",
+        "6144",
+    ],
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--n-pi", "4", "--total-timesteps", "5120"],
 }
 
@@ -59,7 +73,7 @@ def raw_speed(module, agent, device, chunk: int, states: int = 2048) -> dict:
             t0 = time.perf_counter()
             for start in range(0, states, chunk):
                 with torch.set_grad_enabled(grad):
-                    logits, value, aux_value = agent(obs[start:start + chunk])
+                    logits, value, aux_value = agent(obs[start : start + chunk])
                 if grad:
                     (logits.sum() + value.sum() + aux_value.sum()).backward()
             if device.type == "cuda":
@@ -72,7 +86,7 @@ def raw_speed(module, agent, device, chunk: int, states: int = 2048) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("script", choices=sorted(SCALED))
-    parser.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (as the script's flag)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="as the script's flag")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="chunk size (default: the script's)")
     parser.add_argument("--arch", default="dual")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
@@ -86,10 +100,12 @@ def main() -> None:
 
     def agent_for(args):
         torch.manual_seed(0)
-        return module.PPGAgent(args.arch, module.OBS_SHAPE, module.NUM_ACTIONS, bf16=args.precision == "bf16").to(device)
+        return module.PPGAgent(args.arch, module.OBS_SHAPE, module.NUM_ACTIONS, bf16=args.precision == "bf16").to(
+            device
+        )
 
     flags = dict(arch=opts.arch, precision=opts.precision, micro_batch_size=opts.micro_batch_size, cuda=not opts.cpu)
-    args, device, why = module.resolve_hardware(module.Args(**flags))
+    args, device = module.pick_device(module.Args(**flags))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{opts.script} arch={args.arch} on {name}")
     if opts.sweep:
@@ -97,32 +113,52 @@ def main() -> None:
         for precision in ("fp32", "bf16"):
             speeds = []
             for chunk in (128, 256, 512, 1024, 0):
-                sweep_args = module.resolve_hardware(module.Args(**dict(flags, precision=precision)))[0]
-                speeds.append(f"{chunk}: {raw_speed(module, agent_for(sweep_args), device, chunk)['forward+backward']:.0f}")
+                sweep_args = module.pick_device(module.Args(**dict(flags, precision=precision)))[0]
+                speeds.append(
+                    f"{chunk}: {raw_speed(module, agent_for(sweep_args), device, chunk)['forward+backward']:.0f}"
+                )
             print(f"  {precision}  " + "   ".join(speeds), flush=True)
 
     raw = raw_speed(module, agent_for(args), device, args.micro_batch_size)
-    print(f"precision {args.precision} ({why}), chunk {args.micro_batch_size or 'whole minibatch'}: raw "
-          f"forward {raw['forward']:.0f} states/s, forward+backward {raw['forward+backward']:.0f} states/s", flush=True)
+    print(
+        f"precision {args.precision}, chunk {args.micro_batch_size or 'whole minibatch'}: raw "
+        f"forward {raw['forward']:.0f} states/s, forward+backward {raw['forward+backward']:.0f} states/s",
+        flush=True,
+    )
     if opts.no_train:
         return
 
     scaled = list(SCALED[opts.script])  # --total-timesteps counts every worker's steps: K times as many
     scaled[scaled.index("--total-timesteps") + 1] = str(int(scaled[scaled.index("--total-timesteps") + 1]) * workers)
-    train_argv = scaled + ["--arch", args.arch, "--precision", args.precision,
-                                        "--micro-batch-size", str(args.micro_batch_size)] + (["--no-cuda"] if opts.cpu else [])
+    train_argv = (
+        scaled
+        + ["--arch", args.arch, "--precision", args.precision, "--micro-batch-size", str(args.micro_batch_size)]
+        + (["--no-cuda"] if opts.cpu else [])
+    )
     print("scaled training run: " + " ".join(train_argv), flush=True)
     os.chdir(tempfile.mkdtemp(prefix="ppg-benchmark-"))  # its runs/ folder goes there
     sys.argv = [opts.script, *train_argv]
     import tyro
 
-    reports = module.main(tyro.cli(module.Args))
-    phase = reports[0]  # the phase that has an aux phase
-    print(f"efficiency (achieved / raw forward+backward): policy update "
-          f"{phase['update_states_per_s'] / raw['forward+backward']:.2f}, aux epochs "
-          f"{phase['aux_states_per_s'] / raw['forward+backward']:.2f}")
-    print(f"whole-phase env steps/s {phase['whole_phase_sps']:.1f} (policy phase alone {phase['policy_phase_sps']:.1f})" +
-          (f", {workers} workers; gradient all-reduce {phase['grad_allreduce_s']:.1f}s of the phase" if workers > 1 else ""))
+    args = tyro.cli(module.Args)
+    phase = module.main(args)[0]  # the phase that has an aux phase: seconds by part
+    steps, plan = args.n_pi * args.num_envs * args.num_steps, module.make_plan(args, workers)  # of one worker
+    update = steps * max(args.e_pi, args.e_v) / phase["policy_update"]
+    aux = phase["aux_epochs_run"] * plan.aux_slots * plan.batch_size / phase["aux_epochs"]
+    print(f"forward+backward states/s of one worker: policy update {update:.0f}, aux epochs {aux:.0f}")
+    print(
+        f"efficiency (achieved / raw forward+backward): policy update {update / raw['forward+backward']:.2f}, "
+        f"aux epochs {aux / raw['forward+backward']:.2f}"
+    )
+    policy_phase = steps * workers / (phase["rollout"] + phase["policy_update"])
+    print(
+        f"whole-phase env steps/s {steps * workers / phase['phase_s']:.1f} (policy phase alone {policy_phase:.1f})"
+        + (
+            f", {workers} workers; gradient all-reduce {phase['grad_allreduce']:.1f}s of the phase"
+            if workers > 1
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

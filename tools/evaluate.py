@@ -57,8 +57,9 @@ def write_video(path: str, frames: list) -> None:
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     gray = frames[0].ndim == 2
-    writer = imageio_ffmpeg.write_frames(path, frames[0].shape[1::-1], fps=15, pix_fmt_in="gray" if gray else "rgb24",
-                                         macro_block_size=4 if gray else 16)
+    writer = imageio_ffmpeg.write_frames(
+        path, frames[0].shape[1::-1], fps=15, pix_fmt_in="gray" if gray else "rgb24", macro_block_size=4 if gray else 16
+    )
     writer.send(None)  # start the ffmpeg process
     for frame in frames:
         writer.send(np.ascontiguousarray(frame))
@@ -93,8 +94,9 @@ def main() -> None:
     parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or a --save-model file")
     parser.add_argument("--episodes", type=int, default=100, help="episodes (Atari: whole games) per evaluation set")
     parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")
-    parser.add_argument("--capture-video", action="store_true",
-                        help="save videos of env 0 to <checkpoint dir>/videos-eval")
+    parser.add_argument(
+        "--capture-video", action="store_true", help="save videos of env 0 to <checkpoint dir>/videos-eval"
+    )
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
     opts = parser.parse_args()
     if opts.episodes < 1:
@@ -125,14 +127,29 @@ def main() -> None:
     if procgen and args.num_levels == 0:
         sets = {"all_levels": ("training distribution = all levels", dict(num_levels=0, start_level=0))}
     elif procgen:
-        sets = {"training_levels": (f"training levels {args.start_level}..{args.start_level + args.num_levels - 1}",
-                                    dict(num_levels=args.num_levels, start_level=args.start_level)),
-                "unseen_levels": ("full distribution (unseen levels)", dict(num_levels=0, start_level=0))}
+        sets = {
+            "training_levels": (
+                f"training levels {args.start_level}..{args.start_level + args.num_levels - 1}",
+                dict(num_levels=args.num_levels, start_level=args.start_level),
+            ),
+            "unseen_levels": ("full distribution (unseen levels)", dict(num_levels=0, start_level=0)),
+        }
 
-    print(f"{module.SCRIPT} {args.env_id}, run {state['run_name']}" +
-          (f", step {state['global_step']:,}" if "global_step" in state else "") + f", on {device}")
-    report = dict(script=module.SCRIPT, env_id=args.env_id, checkpoint=path, run_name=state["run_name"],
-                  global_step=state.get("global_step"), episodes=opts.episodes, seed=opts.seed, sets={})
+    print(
+        f"{module.SCRIPT} {args.env_id}, run {state['run_name']}"
+        + (f", step {state['global_step']:,}" if "global_step" in state else "")
+        + f", on {device}"
+    )
+    report = dict(
+        script=module.SCRIPT,
+        env_id=args.env_id,
+        checkpoint=path,
+        run_name=state["run_name"],
+        global_step=state.get("global_step"),
+        episodes=opts.episodes,
+        seed=opts.seed,
+        sets={},
+    )
     for name, (description, levels) in sets.items():
         video = os.path.join(folder, "videos-eval", name) if opts.capture_video else None
         returns = play(agent, env_class(args, n, seed=seed, **levels), opts.episodes, device, video)

@@ -1,6 +1,6 @@
 """Print a run's mean return over its last 100 finished episodes at given env steps, and its SPS.
 
-    python tools/summarise_run.py runs/BreakoutNoFrameskip-v4__ppg__1__1796042480 --at 100000 250000 500000
+python tools/summarise_run.py runs/BreakoutNoFrameskip-v4__ppg__1__1796042480 --at 100000 250000 500000
 """
 
 import argparse
@@ -26,7 +26,7 @@ def main() -> None:
         if at > last_step:
             print(f"{at:>9,} steps: not reached (the run logged up to {last_step:,})")
             continue
-        window = returns[steps <= at][-args.window:]
+        window = returns[steps <= at][-args.window :]
         if len(window) == 0:
             print(f"{at:>9,} steps: no episode had finished yet")
             continue
