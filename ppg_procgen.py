@@ -91,9 +91,9 @@ class Args:
     max_grad_norm: float = 0.0  # clip the gradient norm of each network to this (0 = no clipping, as in the paper)
 
     # Phasic Policy Gradient
-    arch: Literal["dual", "detach", "shared"] = (
-        "dual"  # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)
-    )
+
+    # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)
+    arch: Literal["dual", "detach", "shared"] = "dual"
     n_pi: int = 32  # N_pi: policy-phase iterations (rollouts) per phase
     e_pi: int = 1  # E_pi: epochs of the PPO policy loss on each rollout
     e_v: int = 1  # E_V: epochs of the value loss on each rollout
@@ -101,12 +101,10 @@ class Args:
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
     aux_mb_trajectories: int = 4  # whole --num-steps trajectories per aux minibatch of each worker (4 x 256 states)
     aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
-    micro_batch_size: Optional[int] = (
-        None  # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
-    )
-    precision: Literal["fp32", "bf16"] = (
-        "fp32"  # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (the README says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
-    )
+    # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
+    micro_batch_size: Optional[int] = None
+    # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (the README says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 # ==== 2. Plan: validate the flags and derive every count once =========================================================
@@ -191,8 +189,7 @@ def pick_device(args: Args) -> Tuple[Args, torch.device]:
 
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
-    """(bytes this machine's workers need: buffers, one chunk's activations, the process; bytes free, -1 if unknown).
-    ArgError if they cannot fit."""
+    """(bytes this machine's workers need: buffers, a chunk's activations, the process; bytes free or -1), or ArgError."""
     chunk = min(args.micro_batch_size or math.inf, max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps))
     buffers = plan.buffer_bytes + plan.aux_slots * plan.batch_size * 4 * (1 + NUM_ACTIONS) + plan.batch_size * 4 * 8
     allowance = PROCESS_BYTES + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1)
@@ -215,24 +212,16 @@ ENV_RULES = [("be >= 0", lambda v: v >= 0, "num_levels start_level")]  # make_pl
 
 
 class ProcgenVecEnv:
-    """Procgen's vector env with a plain interface: uint8 HWC frames, raw rewards, done flags, and the
-    (env, return, length) of every episode that finished. Procgen resets an env inside the step that ends
-    its episode: the frame returned with done=True already starts the next one."""
+    """uint8 HWC frames, raw rewards, done flags, and each finished episode's (env, return, length). Procgen resets an
+    env inside the step that ends its episode: the frame returned with done=True already starts the next one."""
 
     def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int):
         with contextlib.suppress(ImportError):  # gym 0.26 (procgen's dependency) prints a notice from this table
             __import__("gym_notices.notices").notices.notices.clear()
         from procgen import ProcgenEnv  # imported here so the flags are checked before gym loads
 
-        mode = args.distribution_mode
-        self.env = ProcgenEnv(
-            num_envs,
-            args.env_id,
-            num_levels=num_levels,
-            start_level=start_level,
-            distribution_mode=mode,
-            rand_seed=seed,
-        )
+        levels = dict(num_levels=num_levels, start_level=start_level, distribution_mode=args.distribution_mode)
+        self.env = ProcgenEnv(num_envs, args.env_id, rand_seed=seed, **levels)
         self.num_envs, self.num_actions = num_envs, self.env.action_space.n
         self.returns, self.lengths = np.zeros(num_envs, dtype=np.float64), np.zeros(num_envs, dtype=np.int64)
 
@@ -259,8 +248,7 @@ def normalised_score(args: Args, episode_return: float) -> float:
 
 @torch.no_grad()
 def evaluate(agent: "PPGAgent", args: Args, device: torch.device) -> Dict[str, float]:
-    """Mean return and normalised score of one episode in each of --num-envs envs on unseen levels (the full
-    distribution; the same levels every time)."""
+    """Mean return and normalised score of one episode in each of --num-envs envs on unseen levels (the same ones)."""
     envs, returns = ProcgenVecEnv(args, args.num_envs, num_levels=0, start_level=0, seed=args.seed + 1_000_003), {}
     obs = envs.reset()
     while len(returns) < envs.num_envs:
@@ -294,8 +282,7 @@ class ResidualBlock(nn.Module):
 
 
 class ImpalaEncoder(nn.Module):
-    """uint8 HWC frames -> 256 features. Three stacks (16, 32, 32 channels) of conv3x3, maxpool 3x3 stride 2,
-    two residual blocks; then flatten, relu, dense 256, relu."""
+    """uint8 HWC frames -> 256 features: 3 stacks of conv, maxpool and 2 residual blocks; flatten, relu, dense, relu."""
 
     def __init__(self, obs_shape: Tuple[int, ...], channels=(16, 32, 32), out_features=256):
         super().__init__()
@@ -337,8 +324,7 @@ class PPGAgent(nn.Module):
         self.value_head = normed_init_(nn.Linear(width, 1), 0.1)
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
-        """The one place precision is chosen: with bf16 the trunk runs under autocast, and its features come back
-        fp32, so the small heads and all loss math are fp32."""
+        """The one place precision is chosen: with bf16 the trunk runs under autocast; heads and losses stay fp32."""
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
             return trunk(obs).float()
 
@@ -459,9 +445,8 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float, stats: Dict) -> None:
-    """Adam step on the gradient averaged over the workers, after clipping the norms of theta_pi's and theta_V's
-    gradients separately (one network's gradient never rescales the other's update). Then the gradients are
-    dropped, so none crosses into the next step or phase (both optimizers share the parameters' .grad).
+    """Adam step on the workers' mean gradient, theta_pi's and theta_V's norms clipped separately (one network's gradient
+    never rescales the other's update); then the gradients are dropped, as both optimizers share the parameters' .grad.
     A non-finite gradient, averaged, is seen by every worker at once: all stop, naming this worker's bad losses."""
     average_gradients(agent.parameters())
     if not torch.isfinite(sum(p.grad.norm() for p in agent.parameters() if p.grad is not None)):
@@ -503,9 +488,8 @@ ROLLOUT_DTYPES = dict(
 
 @torch.no_grad()
 def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, obs_rows: torch.Tensor, ro: Dict, step: int):
-    """num_steps steps of every env with the current policy: frames go straight into obs_rows (uint8: the aux buffer's
-    slot of this rollout), the rest into ro's tensors. Returns the next observation, the global step after the
-    rollout, the value of the state after it (GAE's bootstrap), and each finished episode's (step, return, length)."""
+    """num_steps steps of every env: frames straight into obs_rows (uint8: the aux buffer's slot of this rollout), the
+    rest into ro. Returns the next obs, global step and value (GAE's bootstrap), and episodes' (step, return, length)."""
     episodes, workers = [], dist.get_world_size() if dist.is_initialized() else 1
     for t in range(obs_rows.shape[1]):
         obs_rows[:, t] = next_obs
@@ -522,10 +506,9 @@ def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, obs_rows: tor
 
 
 def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, plan: Plan) -> Dict:
-    """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout. Both losses of
-    an epoch share each minibatch's backward pass, as in the released code; for dual and detach they touch disjoint
-    parameters, so this equals two separate loops. The auxiliary value head gets no gradient here. Returns means
-    over all minibatches (and workers)."""
+    """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout, sharing each
+    minibatch's backward pass as in the released code (for dual and detach they touch disjoint parameters, so this
+    equals two separate loops). The auxiliary value head gets no gradient here. Returns means over all minibatches."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
     for epoch in range(max(args.e_pi, args.e_v)):
         train_pi, train_v = epoch < args.e_pi, epoch < args.e_v
@@ -570,14 +553,11 @@ def auxiliary_phase(agent: PPGAgent, optimizer, obs_buffer: torch.Tensor, return
                 old = old_logits[traj].flatten(0, 1)
 
                 def loss_fn(part: slice):
-                    logits, values, aux_values = agent(obs[part])
-                    joint, l_aux, l_clone = aux_joint_loss(
-                        aux_values, targets[part], old[part], logits, args.beta_clone
-                    )
+                    logits, values, v_aux = agent(obs[part])
+                    joint, l_aux, l_clone = aux_joint_loss(v_aux, targets[part], old[part], logits, args.beta_clone)
                     l_value = value_loss(values, targets[part])
-                    return joint + l_value, dict(
-                        aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value
-                    )
+                    stats = dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
+                    return joint + l_value, stats
 
                 stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
                 optimizer_step(optimizer, agent, args.max_grad_norm, stats)
@@ -585,11 +565,8 @@ def auxiliary_phase(agent: PPGAgent, optimizer, obs_buffer: torch.Tensor, return
                     logs[k].append(v)
             epochs.append(mean_over_workers(logs))  # the same means on every worker: the KL guard stops all at once
             if 0 < args.aux_kl_stop < epochs[-1]["clone_kl"] and len(epochs) < args.e_aux:
-                print(
-                    f"auxiliary phase stopped after epoch {len(epochs)}/{args.e_aux}: mean clone KL "
-                    f"{epochs[-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}",
-                    flush=True,
-                )
+                kl = f"mean clone KL {epochs[-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}"
+                print(f"auxiliary phase stopped after epoch {len(epochs)}/{args.e_aux}: {kl}", flush=True)
                 break
     SPENT["aux_phases"] += 1
     return epochs
@@ -757,29 +734,20 @@ class Logger:
         self.scalars("losses/", stats, step), self.scalars("charts/", dict(SPS=sps), step)
         mean = np.mean(self.recent_returns) if self.recent_returns else float("nan")
         eta_text = f"{eta / 3600:.1f}h" if eta >= 3600 else f"{eta / 60:.0f}min"
-        print(
-            f"{progress} step {step:,} SPS {sps} ETA {eta_text} return(last {len(self.recent_returns)}) {mean:.2f} "
-            f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}",
-            flush=True,
-        )
+        returns = f"return(last {len(self.recent_returns)}) {mean:.2f}"
+        losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
+        print(f"{progress} step {step:,} SPS {sps} ETA {eta_text} {returns} {losses}", flush=True)
 
     def phase(self, phase: int, step: int, since: Dict[str, float], phase_s: float, device: torch.device) -> Dict:
         """The phase's seconds by part (timing/*) and peak memory, in TensorBoard and one line. Returns the seconds."""
         seconds = {k: SPENT[k] - since.get(k, 0.0) for k in TIMED}
-        cuda = device.type == "cuda"  # ru_maxrss is in KiB on Linux
-        peak = (
-            torch.cuda.max_memory_allocated(device)
-            if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )
+        cuda, peak = device.type == "cuda", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = torch.cuda.max_memory_allocated(device) if cuda else peak
         self.scalars("timing/", {f"{k}_s": v for k, v in seconds.items()}, step)
         self.scalars("charts/", dict(peak_memory_GiB=peak / 2**30), step)
-        print(
-            f"phase {phase} done in {phase_s:.1f}s: "
-            + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
-            + f"; peak {'GPU memory' if cuda else 'RSS'} {peak / 2**30:.2f} GiB",
-            flush=True,
-        )
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+        memory = f"peak {'GPU memory' if cuda else 'RSS'} {peak / 2**30:.2f} GiB"
+        print(f"phase {phase} done in {phase_s:.1f}s: {parts}; {memory}", flush=True)
         return dict(seconds, phase_s=phase_s)
 
     def close(self) -> None:
@@ -820,12 +788,15 @@ def print_plan(args: Args, plan: Plan, run_name: str, device, workers: int, phas
 
 
 def stop_message(signum: int, step: int, saved: Optional[Tuple[int, int]], run_dir: str, workers: int) -> str:
-    """What a run stopped by a signal says: where it can resume from, and how."""
+    """Where a stopped run can resume from (saved: the phase and step of its last checkpoint, if any), and how."""
     launch = "python" if workers == 1 else f"torchrun --standalone --nproc-per-node {workers}"
     launch = launch if os.environ.get("LOCAL_WORLD_SIZE", "1") == str(workers) else "torchrun (as launched)"
-    where = f"the checkpoint after phase {saved[0]} (step {saved[1]:,}) stays; resume with: {launch} {SCRIPT} --resume"
-    return f"stopped by {signal.Signals(signum).name} at step {step:,}; " + (
-        f"{where} {run_dir}" if saved else "no checkpoint had been written yet"
+    stopped = f"stopped by {signal.Signals(signum).name} at step {step:,}; "
+    if not saved:
+        return stopped + "no checkpoint had been written yet"
+    return (
+        stopped
+        + f"the checkpoint after phase {saved[0]} (step {saved[1]:,}) stays; resume with: {launch} {SCRIPT} --resume {run_dir}"
     )
 
 
@@ -860,8 +831,7 @@ def prepare(args: Args, given: Optional[set], workers: int):
 
 # ==== 9. main(): the paper's Algorithm 1 ==============================================================================
 def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
-    """Train; returns each phase's seconds by part (tools/benchmark.py reads them). `given`: see resume_args.
-    Under torchrun every worker runs this (torchrun sets RANK and WORLD_SIZE); rank 0 alone prints and writes."""
+    """Train; returns each phase's seconds by part (for tools/benchmark.py). Under torchrun, every worker runs it."""
     rank, workers = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     args, ckpt, run_dir, device, plan, memory = prepare(args, given, workers)
     if rank:
@@ -885,19 +855,16 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions, bf16=args.precision == "bf16").to(device)
     policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # each persists
     aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # across phases
-    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
-    stateful["reward_normalizer"] = reward_normalizer
+    stateful["reward_normalizer"] = reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
     # Buffers. Slot i of the auxiliary buffer B IS the rollout buffer of iteration i of a phase: rollouts are written
     # straight into it as uint8, at no copy. Rows are whole trajectories, num_envs rows per rollout.
     rows = (plan.aux_slots * args.num_envs, args.num_steps)
     obs_buffer = torch.empty((*rows, *OBS_SHAPE), dtype=torch.uint8, device=device)
     returns_buffer = torch.zeros(rows, device=device)  # V_hat
-    rollout = {
-        k: torch.zeros((args.num_envs, args.num_steps), dtype=dtype, device=device)
-        for k, dtype in ROLLOUT_DTYPES.items()
-    }
+    shape = (args.num_envs, args.num_steps)
+    rollout = {k: torch.zeros(shape, dtype=dtype, device=device) for k, dtype in ROLLOUT_DTYPES.items()}
 
     global_step, aux_epochs_done, phases, saved = 0, 0, [], None  # saved: (phase, step) of the last checkpoint
     SPENT.clear()
@@ -915,10 +882,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             phase, phase_start, since, signum = phase + 1, time.time(), dict(SPENT), 0
             # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
             for i in range(min(args.n_pi, plan.num_iterations - iteration)):
-                iteration, slot = (
-                    iteration + 1,
-                    slice(i % plan.aux_slots * args.num_envs, (i % plan.aux_slots + 1) * args.num_envs),
-                )
+                iteration, first_row = iteration + 1, i % plan.aux_slots * args.num_envs
+                slot = slice(first_row, first_row + args.num_envs)  # this rollout's rows of B
                 with timed("rollout"):
                     next_obs, global_step, next_value, episodes = collect_rollout(
                         agent, envs, next_obs, obs_buffer[slot], rollout, global_step
@@ -939,9 +904,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
                 var_y = global_moments(returns)[2]
                 stats["explained_variance"] = 1 - global_moments(returns - values)[2] / var_y if var_y else math.nan
                 eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, SPENT)
-                log.rollout(
-                    f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations}", global_step, stats, eta
-                )
+                progress = f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations}"
+                log.rollout(progress, global_step, stats, eta)
                 if iteration < plan.num_iterations and (signum := stop.agreed()):  # (the last rollout ends the run)
                     break
             if signum:
