@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from conftest import SCRIPTS, TINY_FLAGS, load_script, read_scalars, run_script
 
@@ -63,8 +64,12 @@ def test_tiny_run(name, arch, precision, tmp_path):
     assert abs(scalars["aux/clone_kl"][0]) <= tolerance
     if arch == "dual" and name == "ppg_procgen.py":
         assert len(scalars["eval/episodic_return"]) == 2  # once per phase
-    if arch == "shared":
-        assert list(tmp_path.glob("runs/*/*.pt"))
+    if arch == "shared":  # --save-model: the final weights, as the last checkpoint holds them, and the flags
+        (saved,) = tmp_path.glob(f"runs/*/{name[:-3]}.pt")
+        model, checkpoint = (torch.load(p, weights_only=True) for p in (saved, saved.with_name("checkpoint.pt")))
+        assert model["args"]["save_model"] and model["args"]["max_grad_norm"] == 0.5
+        assert model["agent"].keys() == checkpoint["agent"].keys()
+        assert all(torch.equal(model["agent"][k], checkpoint["agent"][k]) for k in model["agent"])
 
 
 BAD_FLAGS = {
@@ -118,3 +123,29 @@ def test_invalid_combinations_are_rejected_in_process(name):
         with pytest.raises(module.ArgError):
             module.make_plan(module.Args(**overrides))
     module.make_plan(module.Args())  # the defaults are valid
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_flag_has_help_text(name, tmp_path):
+    """`--help` gives each flag its own text (tyro reads the comment beside each field), not just a default."""
+    import re
+
+    proc = run_script(name, "--help", "--no-use-color", cwd=tmp_path, timeout=60)
+    if proc.returncode:  # an older tyro without --no-use-color
+        proc = run_script(name, "--help", cwd=tmp_path, timeout=60)
+    text = " ".join(line.strip("│ ") for line in proc.stdout.splitlines())
+    module = load_script(name)
+    flags = [f.name.replace("_", "-") for f in __import__("dataclasses").fields(module.Args)]
+    for flag in flags:
+        match = re.search(rf"--(?:no-)?{flag}\b[^-]*?(?:\{{[^}}]*\}}|[A-Z]+)?\s+(.*?)\(default", text)
+        assert match and len(match.group(1).split()) >= 3, (flag, match and match.group(1))
+
+
+def test_stop_message_before_and_after_the_first_checkpoint():
+    script = load_script("ppg_procgen.py")
+    assert script.stop_message(15, 64, None, "runs/x", 1) == (
+        "stopped by SIGTERM at step 64; no checkpoint had been written yet"
+    )
+    assert script.stop_message(2, 640, (2, 512), "runs/x", 1).endswith(
+        "the checkpoint after phase 2 (step 512) stays; resume with: python ppg_procgen.py --resume runs/x"
+    )
