@@ -128,3 +128,19 @@ def torchrun(workers: int, *argv: str, cwd, timeout: float = 240, **popen) -> su
         timeout=timeout,
         **popen,
     )
+
+
+def main_in_process(script, flags, cwd, monkeypatch):
+    """script.main(flags) in this process (so a test can patch the very functions it calls), in cwd, with the
+    signal handlers it installs put back afterwards. Returns what main() returns."""
+    import signal
+
+    import tyro
+
+    monkeypatch.chdir(cwd)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return script.main(tyro.cli(script.Args, args=list(flags)))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)

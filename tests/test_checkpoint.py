@@ -24,7 +24,7 @@ LONG = ["--total-timesteps", "640"]
 
 def start(name, cwd, *flags):
     return subprocess.Popen(
-        [sys.executable, str(ROOT / name), *TINY_FLAGS[name], *LONG, *flags],
+        [sys.executable, str(ROOT / name), *TINY_FLAGS[name], *(flags or LONG)],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -48,6 +48,8 @@ def wait_for_checkpoint(proc, cwd, timeout=120) -> pathlib.Path:
 def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path):
     proc = start(name, tmp_path)
     checkpoint = wait_for_checkpoint(proc, tmp_path)
+    proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 1 or 2 of 5, however fast the machine)
+    assert load_script(name).load_checkpoint(str(checkpoint))["phase"] < 5
     proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -63,11 +65,12 @@ def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("losses/policy_loss")] == list(range(64, 641, 64))
     assert len(list(checkpoint.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
+    assert len(acc.Tensors("hyperparameters/text_summary")) == 1  # the flags were written once, not again on resume
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_sigterm_stops_at_a_rollout_boundary_with_the_resume_command(name, tmp_path):
-    proc = start(name, tmp_path)
+    proc = start(name, tmp_path, "--total-timesteps", str(10**6))  # far too long to finish before the signal
     checkpoint = wait_for_checkpoint(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -75,7 +78,27 @@ def test_sigterm_stops_at_a_rollout_boundary_with_the_resume_command(name, tmp_p
     assert "Traceback" not in err
     assert f"resume with: python {name} --resume runs/{checkpoint.parent.name}" in out
     state = load_script(name).load_checkpoint(str(checkpoint))
-    assert 1 <= state["phase"] < 5 and state["global_step"] < 640
+    assert 1 <= state["phase"] and state["global_step"] < 10**6
+    stopped = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0].replace(",", ""))
+    assert stopped % 64 == 0 and stopped >= state["global_step"]  # at a rollout boundary, after the checkpoint
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_of_a_copied_run_writes_into_the_copy(name, tmp_path):
+    """--resume runs/X_copy continues in runs/X_copy: the original run folder is left as it was."""
+    import shutil
+
+    first = run_script(name, *TINY_FLAGS[name], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    copy = run.with_name(run.name + "_copy")
+    shutil.copytree(run, copy)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    done = run_script(name, "--resume", f"runs/{copy.name}", "--total-timesteps", "320", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # the original: untouched
+    assert load_script(name).load_checkpoint(str(copy))["global_step"] == 320
+    assert len(list(copy.glob("events.out.tfevents.*"))) == 2 and f"resumed from runs/{copy.name}/" in done.stdout
 
 
 def test_checkpoint_round_trip_is_bitwise(script, tmp_path):

@@ -53,6 +53,8 @@ def test_two_workers_train_as_one_run(name, tmp_path):
     assert [step for step, _ in scalars["losses/value_loss"]] == [128, 256, 384]
     for tag in ("charts/episodic_return", "losses/approx_kl", "aux/clone_kl", "timing/grad_allreduce_s"):
         assert tag in scalars, tag
+    steps = [step for step, _ in scalars["charts/episodic_return"]]
+    assert steps == sorted(steps) and len(set(steps)) > 1  # both workers' episodes, in step order
     assert scalars["timing/grad_allreduce_s"][0][1] > 0  # the first phase averaged gradients
     if (
         name == "ppg_procgen.py"

@@ -1,0 +1,280 @@
+"""The mistakes PPG implementations make, each caught through the code that trains: main() on a tiny config, with
+the script's own functions wrapped to record what they are handed, or the very functions main() calls."""
+
+import copy
+import math
+import os
+import pathlib
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_FLAGS, load_script, main_in_process, random_obs
+
+
+def tiny(script, *extra):
+    return [*TINY_FLAGS[pathlib.Path(script.__file__).name], "--precision", "fp32", *extra]
+
+
+def wrap(monkeypatch, owner, name, before=None, after=None):
+    """Replace owner.name by a function that calls before(*args), the original, then after(result, *args)."""
+    real = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        if before:
+            before(*args, **kwargs)
+        result = real(*args, **kwargs)
+        if after:
+            after(result, *args, **kwargs)
+        return result
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+def test_advantages_reach_the_update_normalised_per_rollout(script, tmp_path, monkeypatch):
+    seen = []
+    wrap(monkeypatch, script, "policy_phase_update", before=lambda agent, opt, batch, *a: seen.append(batch))
+    main_in_process(script, tiny(script), tmp_path, monkeypatch)
+    assert len(seen) == 3  # one update per rollout
+    for batch in seen:  # mean 0 and population std 1 over the whole rollout (64 states)
+        adv = batch["advantages"].double()
+        assert abs(float(adv.mean())) < 1e-6 and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_each_phase_steps_its_own_adam_and_the_checkpoint_holds_both(script, tmp_path, monkeypatch):
+    """Two Adam instances: the policy phase steps one, the aux phase the other, and each keeps its state."""
+    phase, steps = ["policy"], []
+    wrap(monkeypatch, script, "policy_phase_update", before=lambda *a: phase.__setitem__(0, "policy"))
+    wrap(monkeypatch, script, "auxiliary_phase", before=lambda *a: phase.__setitem__(0, "aux"))
+    wrap(monkeypatch, script, "optimizer_step", before=lambda opt, *a: steps.append((phase[0], opt)))
+    main_in_process(script, tiny(script), tmp_path, monkeypatch)
+    policy_opts = {id(opt) for where, opt in steps if where == "policy"}
+    aux_opts = {id(opt) for where, opt in steps if where == "aux"}
+    assert len(policy_opts) == 1 and len(aux_opts) == 1 and policy_opts != aux_opts
+    (run,) = (tmp_path / "runs").iterdir()
+    state = script.load_checkpoint(str(run))
+    count = {where: sum(1 for w, _ in steps if w == where) for where in ("policy", "aux")}
+    assert count == {"policy": 3, "aux": 2}  # 3 rollouts x 1 minibatch; E_aux = 2 epochs x 1 minibatch
+    # every parameter has the moments of its steps: all but the aux value head's (which the policy phase leaves
+    # alone) in the policy Adam; all of them in the aux Adam
+    for name, where, untouched in (("policy_optimizer", "policy", 2), ("aux_optimizer", "aux", 0)):
+        moments = state[name]["state"]
+        assert len(moments) == len(state["agent"]) - untouched
+        assert {float(m["step"]) for m in moments.values()} == {float(count[where])}
+
+
+def test_resume_restores_every_state_the_stopped_run_held(script, tmp_path, monkeypatch):
+    """A finished 2-phase run, resumed with a larger budget: at its first use, each restored piece (weights, both
+    Adams' moments and steps, the reward normaliser) equals what the checkpoint holds, tensor by tensor."""
+    main_in_process(script, tiny(script, "--norm-reward"), tmp_path, monkeypatch)
+    (run,) = (tmp_path / "runs").iterdir()
+    saved = script.load_checkpoint(str(run))
+    assert saved["phase"] == 2 and saved["aux_optimizer"]["state"] and saved["policy_optimizer"]["state"]
+    seen = {}
+
+    def first(name, value):
+        seen.setdefault(name, value)
+
+    def at_update(agent, optimizer, *a):
+        first("agent", {k: v.clone() for k, v in agent.state_dict().items()})
+        first("policy_optimizer", copy.deepcopy(optimizer.state_dict()))  # its tensors change in place
+
+    wrap(monkeypatch, script, "policy_phase_update", before=at_update)
+    wrap(
+        monkeypatch,
+        script,
+        "auxiliary_phase",
+        before=lambda agent, opt, *a: first("aux_optimizer", copy.deepcopy(opt.state_dict())),
+    )
+    wrap(
+        monkeypatch, script.RewardNormalizer, "__call__", before=lambda self, *a: first("normalizer", self.state_dict())
+    )
+    main_in_process(script, ["--resume", str(run), "--total-timesteps", "448"], tmp_path, monkeypatch)
+
+    def equal(a, b, where):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys(), where
+            for k in a:
+                equal(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                equal(x, y, f"{where}[{i}]")
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a.cpu(), b.cpu()), where
+        else:
+            assert a == b, where
+
+    assert seen["normalizer"] == saved["reward_normalizer"] and saved["reward_normalizer"]["count"] > 1
+    equal(seen["agent"], saved["agent"], "agent")
+    # the policy update is the first use after the resume, so it sees the checkpoint's Adam state as it was
+    equal(seen["policy_optimizer"]["state"], saved["policy_optimizer"]["state"], "policy_optimizer")
+    # the aux phase comes 2 rollouts later: its Adam has not stepped since the checkpoint
+    equal(seen["aux_optimizer"]["state"], saved["aux_optimizer"]["state"], "aux_optimizer")
+    assert len(seen["aux_optimizer"]["state"]) == len(saved["agent"])
+
+
+def test_rewards_are_normalised_before_gae(tmp_path, monkeypatch):
+    """ppg_procgen.py normalises rewards by default: GAE sees each rollout's rewards as the normaliser returned
+    them, once per rollout."""
+    script = load_script("ppg_procgen.py")
+    scaled, gae_rewards = [], []
+    wrap(monkeypatch, script.RewardNormalizer, "__call__", after=lambda out, *a: scaled.append(out.copy()))
+    wrap(monkeypatch, script, "compute_gae", before=lambda rewards, *a: gae_rewards.append(rewards.clone()))
+    main_in_process(script, tiny(script), tmp_path, monkeypatch)
+    assert len(scaled) == len(gae_rewards) == 3
+    for out, rewards in zip(scaled, gae_rewards):
+        assert np.array_equal(out, rewards.numpy())
+
+
+def test_bf16_runs_the_trunks_in_bf16(script, tmp_path, monkeypatch):
+    """--precision bf16 reaches the agent main() builds: its trunks' convolutions output bf16."""
+    dtypes = set()
+
+    def hook_once(agent, *a):
+        if not dtypes:
+            for m in agent.modules():
+                if isinstance(m, torch.nn.Conv2d):
+                    m.register_forward_hook(lambda mod, inp, out: dtypes.add(out.dtype))
+
+    wrap(monkeypatch, script, "collect_rollout", before=hook_once)
+    main_in_process(script, [*tiny(script), "--precision", "bf16"], tmp_path, monkeypatch)
+    assert dtypes == {torch.bfloat16}
+
+
+def test_max_grad_norm_clips_each_network_separately(script):
+    torch.manual_seed(0)
+    agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+    for p in agent.policy_parameters():
+        p.grad = torch.full_like(p, 1e-4)
+    for p in agent.value_parameters():
+        p.grad = torch.full_like(p, 10.0)
+    policy_norm = float(torch.cat([p.grad.flatten() for p in agent.policy_parameters()]).norm())
+    seen = {}
+
+    class Recorder:
+        def step(self):
+            for name, params in (("pi", agent.policy_parameters()), ("v", agent.value_parameters())):
+                seen[name] = float(torch.cat([p.grad.flatten() for p in params]).norm())
+
+        def zero_grad(self, set_to_none=True):
+            agent.zero_grad(set_to_none=set_to_none)
+
+    script.optimizer_step(Recorder(), agent, 0.5, {})
+    assert seen["v"] == pytest.approx(0.5, rel=1e-3)  # the value network's gradient is clipped to the norm
+    assert seen["pi"] == pytest.approx(policy_norm, rel=1e-5) and policy_norm < 0.5  # the policy's is untouched
+
+
+def test_entropy_bonus_is_added_with_its_coefficient(script):
+    """The policy-phase loss is pg_loss - ent_coef * entropy: with advantages 0, one SGD step raises the entropy,
+    and the gradient is ent_coef times the entropy's."""
+    from conftest import random_batch
+
+    grads = {}
+    for coef in (0.0, 0.01, 0.02):
+        torch.manual_seed(0)
+        agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+        batch = dict(random_batch(script, 16, 6), advantages=torch.zeros(16))
+        args = script.Args(num_envs=2, num_steps=8, num_minibatches=1, micro_batch_size=0, ent_coef=coef, e_v=1)
+        recorded = {}
+
+        class Recorder:
+            def step(self):
+                recorded.update({id(p): p.grad.clone() for p in agent.pi_head.parameters()})
+
+            def zero_grad(self, set_to_none=True):
+                agent.zero_grad(set_to_none=True)
+
+        script.policy_phase_update(agent, Recorder(), batch, args, script.make_plan(args))
+        grads[coef] = torch.cat([g.flatten() for g in recorded.values()])
+    assert torch.count_nonzero(grads[0.0]) == 0  # zero advantages: no policy-gradient signal at all
+    with torch.no_grad():
+        logits = agent.logits(batch["obs"])
+        entropy = torch.distributions.Categorical(logits=logits).entropy().mean()
+    assert float(entropy) < math.log(6)  # not at the maximum, so the bonus has a direction to push
+    assert torch.allclose(grads[0.02], 2 * grads[0.01], rtol=1e-4, atol=1e-9)
+    # the step direction raises the entropy: gradient descent on -coef * entropy
+    torch.manual_seed(0)
+    agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+    logits = agent.logits(batch["obs"])
+    (-torch.distributions.Categorical(logits=logits).entropy().mean()).backward()
+    expected = torch.cat([p.grad.flatten() for p in agent.pi_head.parameters()])
+    assert torch.allclose(grads[0.01], 0.01 * expected, rtol=1e-3, atol=1e-9)
+
+
+def test_aux_targets_are_v_hat_the_rollout_returns(script, tmp_path, monkeypatch):
+    """The aux phase regresses on V_hat = V + A of each rollout (GAE's returns), not on the values V."""
+    returns = []
+    wrap(monkeypatch, script, "compute_gae", after=lambda out, *a: returns.append(out[1].clone()))
+    targets = []
+    wrap(monkeypatch, script, "auxiliary_phase", before=lambda agent, opt, obs, ret, args: targets.append(ret.clone()))
+    main_in_process(script, tiny(script), tmp_path, monkeypatch)
+    (buffer,) = targets  # one aux phase, after rollouts 1 and 2 (slots 0 and 1: 2 envs each)
+    assert torch.equal(buffer, torch.cat(returns[:2]))
+
+
+def test_unseen_level_evaluation_plays_the_full_distribution(tmp_path, monkeypatch):
+    script = load_script("ppg_procgen.py")
+    made = []
+    wrap(
+        monkeypatch,
+        script.ProcgenVecEnv,
+        "__init__",
+        before=lambda self, args, num_envs, num_levels, start_level, seed: made.append((num_levels, start_level, seed)),
+    )
+    main_in_process(script, tiny(script, "--num-levels", "10", "--start-level", "5"), tmp_path, monkeypatch)
+    train, *evals = made
+    assert train[:2] == (10, 5)  # training: levels 5..14
+    assert len(evals) == 2 and all(e[:2] == (0, 0) for e in evals)  # each phase: the full distribution
+    assert all(e[2] != train[2] for e in evals)  # and another level sequence than training's
+
+
+def test_a_second_signal_stops_at_once():
+    script = load_script("ppg_procgen.py")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = script.StopSignal()
+        stop(signal.SIGTERM, None)  # the first asks for a stop at the next rollout boundary
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(SystemExit) as at_once:
+            stop(signal.SIGINT, None)
+        assert at_once.value.code == 128 + signal.SIGINT
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def test_a_signal_during_the_last_rollout_lets_the_run_finish(script, tmp_path, monkeypatch, capfd):
+    """The run is one update from done: it finishes, writes its final checkpoint and exits normally."""
+    calls = []
+
+    def signal_at_last(*a):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    wrap(monkeypatch, script, "compute_gae", before=signal_at_last)
+    main_in_process(script, tiny(script, "--save-model"), tmp_path, monkeypatch)
+    out = capfd.readouterr().out
+    assert "SIGTERM came during the last rollout: the run finished" in out and "stopped by" not in out
+    (run,) = (tmp_path / "runs").iterdir()
+    state = script.load_checkpoint(str(run))
+    assert state["phase"] == 2 and state["global_step"] == 192
+
+
+def test_memory_estimate_counts_the_buffers(script):
+    args, _ = script.pick_device(script.Args(cuda=False))
+    plan = script.make_plan(args)
+    needed, free = script.check_memory(args, plan, torch.device("cpu"))
+    obs = plan.aux_slots * args.num_envs * args.num_steps * int(np.prod(script.OBS_SHAPE))
+    assert plan.buffer_bytes == obs  # the uint8 observation buffer main() allocates
+    targets_and_pi_old = plan.aux_slots * plan.batch_size * 4 * (1 + script.NUM_ACTIONS)
+    assert needed >= obs + targets_and_pi_old + script.PROCESS_BYTES
+    chunk = args.micro_batch_size * script.ACTIVATION_BYTES_PER_TRUNK_STATE * 2  # dual: two trunks
+    assert needed - (obs + targets_and_pi_old + script.PROCESS_BYTES + chunk) == plan.batch_size * 32  # one rollout
+    # the buffers main() builds have exactly that size
+    buffer = torch.empty((plan.aux_slots * args.num_envs, args.num_steps, *script.OBS_SHAPE), dtype=torch.uint8)
+    assert buffer.numel() * buffer.element_size() == plan.buffer_bytes
+    assert random_obs(script, 1).dtype == torch.uint8
