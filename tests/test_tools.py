@@ -62,3 +62,37 @@ def test_plot_runs_draws_a_png(tmp_path):
     assert done.returncode != 0
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error") and "nope" in line and "Traceback" not in done.stderr
+
+
+def test_benchmark_reports_raw_speed_and_the_loop_efficiency(tmp_path):
+    """tools/benchmark.py on a smaller Atari config (3 rollouts of 8 x 128 steps, one aux phase of 2): the script's
+    own main() runs, and the efficiency it prints is the achieved over the raw forward+backward speed."""
+    import os
+    import re
+
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "benchmark.py"),
+            "ppg_atari.py",
+            "--cpu",
+            "--set",
+            "n-pi=2",
+            "--set",
+            "total-timesteps=3072",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    raw = float(re.search(r"forward\+backward (\d+) states/s", out).group(1))
+    update, aux = map(float, re.search(r"policy update (\d+), aux epochs (\d+)", out).groups())
+    efficiency = re.search(r"efficiency .*: policy update ([\d.]+), aux epochs ([\d.]+)", out).groups()
+    assert float(efficiency[0]) == pytest.approx(update / raw, abs=0.006)
+    assert float(efficiency[1]) == pytest.approx(aux / raw, abs=0.006)
+    assert 0.1 < float(efficiency[1]) < 3 and "whole-phase env steps/s" in out

@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
     parser.add_argument("--sweep", action="store_true", help="first, raw speed over precisions and chunk sizes")
     parser.add_argument("--no-train", action="store_true", help="skip the scaled training run")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FLAG=VALUE", help="change a flag of the scaled run: n-pi=2"
+    )
     opts = parser.parse_args()
     workers = int(os.environ.get("WORLD_SIZE", 1))
     if int(os.environ.get("RANK", 0)):
@@ -129,6 +132,9 @@ def main() -> None:
         return
 
     scaled = list(SCALED[opts.script])  # --total-timesteps counts every worker's steps: K times as many
+    for flag, value in (("--" + item.split("=")[0], item.split("=", 1)[1]) for item in opts.set):
+        scaled += [flag, value] if flag not in scaled else []
+        scaled[scaled.index(flag) + 1] = value
     scaled[scaled.index("--total-timesteps") + 1] = str(int(scaled[scaled.index("--total-timesteps") + 1]) * workers)
     train_argv = (
         scaled
