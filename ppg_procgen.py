@@ -103,7 +103,7 @@ class Args:
     aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
     # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
     micro_batch_size: Optional[int] = None
-    # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (the README says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
+    # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (docs/benchmarks.md says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
     precision: Literal["fp32", "bf16"] = "fp32"
 
 
@@ -159,14 +159,14 @@ def make_plan(args: Args, workers: int = 1) -> Plan:
             f"trajectories of an auxiliary phase (--n-pi x --num-envs)"
         )
     return Plan(
-        batch_size,
-        batch_size // args.num_minibatches,
-        num_iterations,
-        num_aux_phases,
-        num_iterations * batch_size * workers,
-        aux_slots,
-        trajectories // args.aux_mb_trajectories,
-        trajectories * args.num_steps * math.prod(OBS_SHAPE),
+        batch_size=batch_size,
+        minibatch_size=batch_size // args.num_minibatches,
+        num_iterations=num_iterations,
+        num_aux_phases=num_aux_phases,
+        total_env_steps=num_iterations * batch_size * workers,
+        aux_slots=aux_slots,
+        aux_minibatches=trajectories // args.aux_mb_trajectories,
+        buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE),
     )
 
 
@@ -768,8 +768,8 @@ def eta_seconds(args: Args, plan: Plan, iterations_done: int, aux_phases_left: i
     return (plan.num_iterations - iterations_done) * per_iteration + aux_phases_left * per_aux
 
 
-def print_plan(args: Args, plan: Plan, run_name: str, device, workers: int, phases_left: int, memory) -> None:
-    k_x, phases = f"{workers} workers x " if workers > 1 else "", -(-plan.num_iterations // args.n_pi)
+def print_plan(args: Args, plan: Plan, run_name: str, device, workers: int, phases: int, phases_left: int, memory):
+    k_x = f"{workers} workers x " if workers > 1 else ""
     rounded = f" (--total-timesteps {args.total_timesteps:,} rounded up to whole rollouts)"
     print(
         f"run {run_name} on {device}: {phases} phases x N_pi={args.n_pi} iterations = {plan.num_iterations} rollouts "
@@ -841,7 +841,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     # Phases and rollouts done: none, or the checkpoint's. Each phase has N_pi rollouts (the last may have fewer).
     phase, iteration = (ckpt["phase"], ckpt["global_step"] // (plan.batch_size * workers)) if ckpt else (0, 0)
     num_phases = phase + -(-(plan.num_iterations - iteration) // args.n_pi)
-    print_plan(args, plan, run_name, device, workers, num_phases - phase, memory)
+    print_plan(args, plan, run_name, device, workers, num_phases, num_phases - phase, memory)
     log = Logger(run_dir, args, rank, ckpt["global_step"] if ckpt else None)
 
     # One random stream per start and worker: --seed, shifted by the phases done (so a resumed run is reproducible
