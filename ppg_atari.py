@@ -758,7 +758,8 @@ class Logger:
 
     def rollout(self, progress: str, step: int, stats: Dict[str, float], eta: float) -> None:
         sps = int((step - self.start[1]) / (time.time() - self.start[0]))
-        self.scalars("losses/", stats, step), self.scalars("charts/", dict(SPS=sps), step)
+        self.scalars("losses/", stats, step)
+        self.scalars("charts/", dict(SPS=sps), step)
         mean = np.mean(self.recent_returns) if self.recent_returns else float("nan")
         eta_text = f"{eta / 3600:.1f}h" if eta >= 3600 else f"{eta / 60:.0f}min"
         returns = f"return(last {len(self.recent_returns)}) {mean:.2f}"
@@ -899,7 +900,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
         for name, thing in stateful.items():
             thing.load_state_dict(ckpt[name])
         global_step, aux_epochs_done, saved = ckpt["global_step"], ckpt["aux_epochs_done"], (phase, ckpt["global_step"])
-        SPENT.update(ckpt["spent"]), log.recent_returns.extend(ckpt["recent_returns"])
+        SPENT.update(ckpt["spent"])
+        log.recent_returns.extend(ckpt["recent_returns"])
         print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}")
     if workers > 1:
         start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
@@ -960,7 +962,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
         log.close()
         sys.exit(f"error: phase {phase}, iteration {iteration}: {e}; stopped before that step; checkpoint unchanged")
 
-    envs.close(), log.close()
+    envs.close()
+    log.close()
     signum = stop.agreed()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -2,7 +2,7 @@
 
     python tools/benchmark.py ppg_procgen.py                        # the script's defaults (fp32, chunk 256 on a CPU)
     python tools/benchmark.py ppg_procgen.py --precision bf16
-    python tools/benchmark.py ppg_atari.py --sweep --no-train       # the chunk-size table of the README
+    python tools/benchmark.py ppg_atari.py --sweep --no-train       # the chunk-size table of docs/benchmarks.md
 
 1. raw: forward, and forward+backward (loss = sum of the outputs), of the script's own PPGAgent on
    random uint8 states, fed in chunks exactly as training feeds them;
