@@ -1,11 +1,17 @@
 """Shared test helpers: load each training script as a module (so the tests call the very code
-that trains), run it as a subprocess, and read back its TensorBoard scalars."""
+that trains), run it as a subprocess or in this process, and read back its TensorBoard scalars.
+
+The suite's budget is a few minutes on a 2-core CPU without native bf16, so work is shared: `tiny_run` trains
+each script once, as a user starts it, and several tests read that run's folder; tests that need no process
+boundary call main() in this process (`main_in_process`, `refusal`)."""
 
 import importlib.util
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -39,6 +45,12 @@ _TINY = [
 TINY_FLAGS = {
     "ppg_procgen.py": ["--env-id", "dodgeball", *_TINY],
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],
+}
+# The shared run's optional features: a model file; unseen-level evaluation (Procgen's alone) or, on Atari, the
+# reward normaliser (off by default there), so that a resume of the shared run restores a used normaliser.
+SHARED_EXTRA = {
+    "ppg_procgen.py": ["--save-model", "--num-levels", "10"],
+    "ppg_atari.py": ["--save-model", "--norm-reward"],
 }
 
 _modules = {}
@@ -128,6 +140,53 @@ def torchrun(workers: int, *argv: str, cwd, timeout: float = 240, **popen) -> su
         timeout=timeout,
         **popen,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """tiny_run(name): the one tiny fp32 run of each script (TINY_FLAGS + SHARED_EXTRA), made as a user starts it,
+    once per test session: a namespace of cwd, run_dir, stdout, stderr, returncode, scalars. Its folder is read
+    only: a test that writes (evaluation reports, a resume) works on copy_run(...) of it."""
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            cwd = tmp_path_factory.mktemp(pathlib.Path(name).stem)
+            proc = run_script(name, *TINY_FLAGS[name], *SHARED_EXTRA[name], cwd=cwd)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            (run_dir,) = (cwd / "runs").iterdir()
+            runs[name] = types.SimpleNamespace(
+                cwd=cwd,
+                run_dir=run_dir,
+                stdout=proc.stdout,
+                stderr=proc.stderr,
+                returncode=proc.returncode,
+                scalars=read_scalars(cwd),
+            )
+        return runs[name]
+
+    return get
+
+
+def copy_run(run, cwd: pathlib.Path) -> pathlib.Path:
+    """A copy of a shared run's folder as cwd/runs/<its name>, for a test that writes into it."""
+    target = cwd / "runs" / run.run_dir.name
+    shutil.copytree(run.run_dir, target)
+    return target
+
+
+def refusal(script, flags, cwd, monkeypatch) -> str:
+    """What the command line `python SCRIPT flags...` stops with, in this process: parse_args and main() as the
+    __main__ block calls them. Asserts it stopped with one line before any run folder (env, buffer, log) existed,
+    and returns that line."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [pathlib.Path(script.__file__).name, *flags])
+    with pytest.raises(SystemExit) as stopped:
+        script.main(*script.parse_args())
+    message = str(stopped.value.code)
+    assert message.startswith("error: ") and "\n" not in message, (flags, message)
+    assert not (pathlib.Path(cwd) / "runs").exists(), flags
+    return message
 
 
 def main_in_process(script, flags, cwd, monkeypatch):

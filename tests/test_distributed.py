@@ -37,7 +37,10 @@ def scalars_with_steps(run_dir) -> dict:
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_two_workers_train_as_one_run(name, tmp_path):
-    proc = torchrun(2, str(ROOT / name), *flags(name), cwd=tmp_path)
+    """One 2-worker run a script, also the KL guard's test: --aux-kl-stop 1e-9 fires after the first aux epoch of
+    3; the guard reads the epoch mean over all workers, so both stop together and the run ends (a worker that
+    stopped alone would leave the other waiting in its next all-reduce)."""
+    proc = torchrun(2, str(ROOT / name), *flags(name, e_aux=3, aux_kl_stop=1e-9), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     # rank 0 alone prints; the plan counts both workers' envs and steps
@@ -62,6 +65,9 @@ def test_two_workers_train_as_one_run(name, tmp_path):
         # each worker plays its own levels: with one seed for both, every episode would come twice (same step, length, return)
         episodes = list(zip(scalars["charts/episodic_return"], scalars["charts/episodic_length"]))
         assert len(set(episodes)) > len(episodes) // 2 + 1, episodes
+    assert "auxiliary phase stopped after epoch" in proc.stdout
+    (epochs,) = [value for _, value in scalars["charts/aux_epochs"]]
+    assert epochs < 3 and len(scalars["aux/clone_kl"]) == epochs
     state = load_script(name).load_checkpoint(str(run))
     assert state["workers"] == 2 and state["global_step"] == 384
     # a run of 2 workers resumes with 2: plain python is refused in one line, before any env exists
@@ -70,13 +76,21 @@ def test_two_workers_train_as_one_run(name, tmp_path):
     assert proc.returncode != 0 and len(errors) == 1 and "had 2 workers" in errors[0], proc.stderr[-2000:]
 
 
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory):
+    """One 2-worker launch of dp_update_check.py for both scripts: its folder of per-script, per-rank results."""
+    out = tmp_path_factory.mktemp("dp")
+    proc = torchrun(2, str(ROOT / "tests" / "dp_update_check.py"), str(out), *SCRIPTS, cwd=out, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_data_parallel_update_equals_one_process_on_the_whole_batch(name, tmp_path):
+def test_data_parallel_update_equals_one_process_on_the_whole_batch(name, dp_results):
     """Two workers with half the batch each (the script's own update functions, SGD, in a 2-process gloo group)
     end with identical parameters, equal to those of one process given the whole batch."""
-    proc = torchrun(2, str(ROOT / "tests" / "dp_update_check.py"), name, str(tmp_path), cwd=tmp_path, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    workers = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    stem = pathlib.Path(name).stem
+    workers = [torch.load(dp_results / f"{stem}.rank{r}.pt", weights_only=False) for r in (0, 1)]
     script = load_script(name)
     start = [p.detach().clone() for p in dp_check_setup(script, 1)[0].parameters()]
     agent, args, batch, obs_buffer, returns_buffer, values = dp_check_setup(script, 1)
@@ -102,19 +116,6 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(name, tmp_pa
         # the KL guard's epoch mean: 0.01 on one worker and 0.03 on the other read 0.02 on both (not 0.01 vs 0.03
         # on either side of an --aux-kl-stop 0.02: a guard on local means would stop one worker alone)
         assert got["means"] == {"clone_kl": pytest.approx(0.02)}
-
-
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_kl_guard_stops_every_worker_after_the_same_epoch(name, tmp_path):
-    """The guard reads the epoch mean over all workers, so both stop together and the run ends (a worker
-    that stopped alone would leave the other waiting in its next all-reduce)."""
-    proc = torchrun(2, str(ROOT / name), *flags(name, e_aux=3, aux_kl_stop=1e-9), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "auxiliary phase stopped after epoch" in proc.stdout
-    (run,) = (tmp_path / "runs").iterdir()
-    scalars = scalars_with_steps(run)
-    (epochs,) = [value for _, value in scalars["charts/aux_epochs"]]
-    assert epochs < 3 and len(scalars["aux/clone_kl"]) == epochs
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -171,7 +172,7 @@ def training_workers(name: str, tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the workers through /proc")
 def test_a_killed_worker_takes_the_run_down(tmp_path):
     """SIGKILL to rank 1 mid-run: rank 0's next all-reduce fails and torchrun stops; nothing waits forever."""
-    with training_workers("ppg_procgen.py", tmp_path) as (launcher, rank1):
+    with training_workers("ppg_atari.py", tmp_path) as (launcher, rank1):
         os.kill(rank1, signal.SIGKILL)
         launcher.communicate(timeout=90)
         assert launcher.returncode != 0

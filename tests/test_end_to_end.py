@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import SCRIPTS, TINY_FLAGS, load_script, read_scalars, run_script
+from conftest import SCRIPTS, TINY_FLAGS, load_script, main_in_process, read_scalars, refusal, run_script
 
 EXPECTED_TAGS = [
     "charts/episodic_return",
@@ -26,25 +26,17 @@ EXPECTED_TAGS = [
     "timing/snapshot_s",
     "timing/aux_epochs_s",
 ]
-EXTRA_FLAGS = {  # each arch's run also exercises one optional feature
-    "dual": ["--num-levels", "10"],
+ARCH_FLAGS = {  # the in-process fp32 run of each other arch also exercises one optional feature
     "detach": ["--e-v", "2"],  # E_V > E_pi: a second, value-only epoch
-    "shared": ["--save-model", "--max-grad-norm", "0.5"],
+    "shared": ["--max-grad-norm", "0.5"],
 }
 
 
-@pytest.mark.parametrize("arch,precision", [("dual", "bf16"), ("detach", "bf16"), ("shared", "bf16"), ("dual", "fp32")])
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_tiny_run(name, arch, precision, tmp_path):
-    flags = TINY_FLAGS[name] + ["--arch", arch, "--precision", precision] + EXTRA_FLAGS[arch]
-    if arch == "dual" and name != "ppg_procgen.py":
-        flags = TINY_FLAGS[name] + ["--arch", arch, "--precision", precision]  # unseen levels are Procgen's alone
-    proc = run_script(name, *flags, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "Gym has been unmaintained" not in proc.stderr
-    assert "3 rollouts" in proc.stdout and "1 auxiliary phases" in proc.stdout
-    assert f"precision {precision}; " in proc.stdout
-    scalars = read_scalars(tmp_path)
+def check_tiny_run(stdout: str, scalars: dict, precision: str) -> None:
+    """What every tiny run must show: the plan, every tag, finite losses, an aux phase in phase 1 alone, and a
+    first minibatch whose ratio is 1 and a first aux epoch whose clone KL is 0."""
+    assert "3 rollouts" in stdout and "1 auxiliary phases" in stdout
+    assert f"precision {precision}; " in stdout
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, missing
     for tag, values in scalars.items():
@@ -62,14 +54,54 @@ def test_tiny_run(name, arch, precision, tmp_path):
     assert max(abs(v) for v in scalars["losses/approx_kl"]) <= tolerance
     assert max(scalars["losses/clipfrac"]) == 0.0
     assert abs(scalars["aux/clone_kl"][0]) <= tolerance
-    if arch == "dual" and name == "ppg_procgen.py":
-        assert len(scalars["eval/episodic_return"]) == 2  # once per phase
-    if arch == "shared":  # --save-model: the final weights, as the last checkpoint holds them, and the flags
-        (saved,) = tmp_path.glob(f"runs/*/{name[:-3]}.pt")
-        model, checkpoint = (torch.load(p, weights_only=True) for p in (saved, saved.with_name("checkpoint.pt")))
-        assert model["args"]["save_model"] and model["args"]["max_grad_norm"] == 0.5
-        assert model["agent"].keys() == checkpoint["agent"].keys()
-        assert all(torch.equal(model["agent"][k], checkpoint["agent"][k]) for k in model["agent"])
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_tiny_run(name, tiny_run):
+    """The shared run, as a user starts it (dual, fp32, --save-model; Procgen with unseen-level evaluation)."""
+    run = tiny_run(name)
+    assert "Traceback" not in run.stderr and "Gym has been unmaintained" not in run.stderr
+    check_tiny_run(run.stdout, run.scalars, "fp32")
+    if name == "ppg_procgen.py":
+        assert len(run.scalars["eval/episodic_return"]) == 2  # once per phase
+    # --save-model: the final weights, as the last checkpoint holds them, and the flags
+    saved = run.run_dir / f"{name[:-3]}.pt"
+    model, checkpoint = (torch.load(p, weights_only=True) for p in (saved, saved.with_name("checkpoint.pt")))
+    assert model["args"]["save_model"] and model["args"]["num_envs"] == 2
+    assert model["agent"].keys() == checkpoint["agent"].keys()
+    assert all(torch.equal(model["agent"][k], checkpoint["agent"][k]) for k in model["agent"])
+
+
+@pytest.mark.parametrize("arch", ["detach", "shared"])
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_tiny_run_of_each_arch(name, arch, tmp_path, monkeypatch, capsys):
+    """The other archs at fp32, in this process (the shared run is dual)."""
+    script = load_script(name)
+    main_in_process(script, [*TINY_FLAGS[name], "--arch", arch, *ARCH_FLAGS[arch]], tmp_path, monkeypatch)
+    check_tiny_run(capsys.readouterr().out, read_scalars(tmp_path), "fp32")
+    (run,) = (tmp_path / "runs").iterdir()
+    assert script.load_checkpoint(str(run))["args"]["arch"] == arch
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_bf16_run(name, tmp_path, monkeypatch, capsys):
+    """One tiny bf16 run a script (bf16 is slow on CPUs without native support): --precision bf16 reaches the
+    agent main() builds, whose trunks' convolutions all output bf16, and the run shows what every run shows,
+    with the first ratio exactly 1 and the first clone KL exactly 0."""
+    script, dtypes = load_script(name), set()
+    real = script.collect_rollout
+
+    def hook_once(agent, *a, **k):
+        if not dtypes:
+            for m in agent.modules():
+                if isinstance(m, torch.nn.Conv2d):
+                    m.register_forward_hook(lambda mod, inp, out: dtypes.add(out.dtype))
+        return real(agent, *a, **k)
+
+    monkeypatch.setattr(script, "collect_rollout", hook_once)
+    main_in_process(script, [*TINY_FLAGS[name], "--precision", "bf16"], tmp_path, monkeypatch)
+    assert dtypes == {torch.bfloat16}
+    check_tiny_run(capsys.readouterr().out, read_scalars(tmp_path), "bf16")
 
 
 BAD_FLAGS = {
@@ -80,6 +112,9 @@ BAD_FLAGS = {
         (["--beta-clone", "-1"], "--beta-clone"),
         (["--arch", "triple"], "--arch"),
         (["--num-steps", "10000000000"], "GiB"),  # 64 x 1e10 frames (7.9 PB): no machine holds it
+        (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
+        (["--ent-coef", "inf"], "--ent-coef must be a finite number"),
+        (["--beta-clone", "nan"], "--beta-clone must be a finite number"),
     ],
     "ppg_atari.py": [
         (["--env-id", "BrakeoutNoFrameskip-v4"], "did you mean BreakoutNoFrameskip-v4"),
@@ -87,15 +122,24 @@ BAD_FLAGS = {
         (["--env-id", "Breakout-v4"], "did you mean BreakoutNoFrameskip-v4"),  # registered, but no vector env
         (["--num-minibatches", "3"], "--num-minibatches"),
         (["--e-v", "0"], "--e-v"),
+        (["--arch", "triple"], "--arch"),
         (["--repeat-action-probability", "1.5"], "--repeat-action-probability"),
         (["--num-steps", "10000000000"], "GiB"),  # 8 x 1e10 frame stacks (2.3 PB): no machine holds it
+        (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
+        (["--ent-coef", "inf"], "--ent-coef must be a finite number"),
+        (["--beta-clone", "nan"], "--beta-clone must be a finite number"),
     ],
 }
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_bad_input_gives_one_line(name, tmp_path):
+def test_bad_input_gives_one_line(name, tmp_path, monkeypatch):
+    """Each refusal in this process (the parser and the plan refuse before any env exists), then two of them as
+    a user meets them: one line on stderr, no traceback, no run folder."""
+    script = load_script(name)
     for flags, needle in BAD_FLAGS[name]:
+        assert needle in refusal(script, flags, tmp_path, monkeypatch), flags
+    for flags, needle in ((["--arch", "triple"], "--arch"), BAD_FLAGS[name][-1]):  # the parser's, the plan's
         proc = run_script(name, *flags, cwd=tmp_path, timeout=60)
         assert proc.returncode != 0, flags
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

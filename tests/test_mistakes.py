@@ -6,12 +6,13 @@ import math
 import os
 import pathlib
 import signal
+from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_FLAGS, load_script, main_in_process, random_obs
+from conftest import TINY_FLAGS, copy_run, load_script, main_in_process, random_obs
 
 
 def tiny(script, *extra):
@@ -33,27 +34,56 @@ def wrap(monkeypatch, owner, name, before=None, after=None):
     monkeypatch.setattr(owner, name, wrapped)
 
 
-def test_advantages_reach_the_update_normalised_per_rollout(script, tmp_path, monkeypatch):
-    seen = []
-    wrap(monkeypatch, script, "policy_phase_update", before=lambda agent, opt, batch, *a: seen.append(batch))
-    main_in_process(script, tiny(script), tmp_path, monkeypatch)
-    assert len(seen) == 3  # one update per rollout
-    for batch in seen:  # mean 0 and population std 1 over the whole rollout (64 states)
+RECORDED_EXTRA = {"ppg_procgen.py": ["--num-levels", "10", "--start-level", "5"], "ppg_atari.py": []}
+
+
+@pytest.fixture(scope="module", params=["ppg_procgen.py", "ppg_atari.py"])
+def recorded(request, tmp_path_factory):
+    """One tiny fp32 run of main() per script in this process, with the script's own functions wrapped to record
+    what they are handed and return: the tests below read one recording instead of each training its own run."""
+    script, rec = load_script(request.param), defaultdict(list)
+    phase = ["policy"]
+    cwd = tmp_path_factory.mktemp("recorded")
+    with pytest.MonkeyPatch.context() as mp:
+        wrap(mp, script, "policy_phase_update", before=lambda agent, opt, batch, *a: rec["batches"].append(batch))
+        wrap(mp, script, "policy_phase_update", before=lambda *a: phase.__setitem__(0, "policy"))
+        wrap(mp, script, "auxiliary_phase", before=lambda *a: phase.__setitem__(0, "aux"))
+        wrap(
+            mp, script, "auxiliary_phase", before=lambda agent, opt, obs, ret, args: rec["targets"].append(ret.clone())
+        )
+        wrap(mp, script, "optimizer_step", before=lambda opt, *a: rec["steps"].append((phase[0], opt)))
+        wrap(mp, script, "compute_gae", before=lambda rewards, *a: rec["gae_rewards"].append(rewards.clone()))
+        wrap(mp, script, "compute_gae", after=lambda out, *a: rec["returns"].append(out[1].clone()))
+        wrap(mp, script.RewardNormalizer, "__call__", after=lambda out, *a: rec["scaled"].append(out.copy()))
+        if request.param == "ppg_procgen.py":
+            wrap(
+                mp,
+                script.ProcgenVecEnv,
+                "__init__",
+                before=lambda self, args, n, num_levels, start_level, seed: rec["envs"].append(
+                    (num_levels, start_level, seed)
+                ),
+            )
+        main_in_process(script, tiny(script, *RECORDED_EXTRA[request.param]), cwd, mp)
+    (run,) = (cwd / "runs").iterdir()
+    return script, rec, run
+
+
+def test_advantages_reach_the_update_normalised_per_rollout(recorded):
+    _, rec, _ = recorded
+    assert len(rec["batches"]) == 3  # one update per rollout
+    for batch in rec["batches"]:  # mean 0 and population std 1 over the whole rollout (64 states)
         adv = batch["advantages"].double()
         assert abs(float(adv.mean())) < 1e-6 and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_each_phase_steps_its_own_adam_and_the_checkpoint_holds_both(script, tmp_path, monkeypatch):
+def test_each_phase_steps_its_own_adam_and_the_checkpoint_holds_both(recorded):
     """Two Adam instances: the policy phase steps one, the aux phase the other, and each keeps its state."""
-    phase, steps = ["policy"], []
-    wrap(monkeypatch, script, "policy_phase_update", before=lambda *a: phase.__setitem__(0, "policy"))
-    wrap(monkeypatch, script, "auxiliary_phase", before=lambda *a: phase.__setitem__(0, "aux"))
-    wrap(monkeypatch, script, "optimizer_step", before=lambda opt, *a: steps.append((phase[0], opt)))
-    main_in_process(script, tiny(script), tmp_path, monkeypatch)
+    script, rec, run = recorded
+    steps = rec["steps"]
     policy_opts = {id(opt) for where, opt in steps if where == "policy"}
     aux_opts = {id(opt) for where, opt in steps if where == "aux"}
     assert len(policy_opts) == 1 and len(aux_opts) == 1 and policy_opts != aux_opts
-    (run,) = (tmp_path / "runs").iterdir()
     state = script.load_checkpoint(str(run))
     count = {where: sum(1 for w, _ in steps if w == where) for where in ("policy", "aux")}
     assert count == {"policy": 3, "aux": 2}  # 3 rollouts x 1 minibatch; E_aux = 2 epochs x 1 minibatch
@@ -65,11 +95,11 @@ def test_each_phase_steps_its_own_adam_and_the_checkpoint_holds_both(script, tmp
         assert {float(m["step"]) for m in moments.values()} == {float(count[where])}
 
 
-def test_resume_restores_every_state_the_stopped_run_held(script, tmp_path, monkeypatch):
-    """A finished 2-phase run, resumed with a larger budget: at its first use, each restored piece (weights, both
-    Adams' moments and steps, the reward normaliser) equals what the checkpoint holds, tensor by tensor."""
-    main_in_process(script, tiny(script, "--norm-reward"), tmp_path, monkeypatch)
-    (run,) = (tmp_path / "runs").iterdir()
+def test_resume_restores_every_state_the_stopped_run_held(script, tiny_run, tmp_path, monkeypatch):
+    """The shared finished 2-phase run (its reward normaliser on), resumed with a larger budget: at its first use,
+    each restored piece (weights, both Adams' moments and steps, the reward normaliser) equals what the checkpoint
+    holds, tensor by tensor."""
+    run = copy_run(tiny_run(script.SCRIPT), tmp_path)
     saved = script.load_checkpoint(str(run))
     assert saved["phase"] == 2 and saved["aux_optimizer"]["state"] and saved["policy_optimizer"]["state"]
     seen = {}
@@ -116,32 +146,16 @@ def test_resume_restores_every_state_the_stopped_run_held(script, tmp_path, monk
     assert len(seen["aux_optimizer"]["state"]) == len(saved["agent"])
 
 
-def test_rewards_are_normalised_before_gae(tmp_path, monkeypatch):
+def test_rewards_are_normalised_before_gae(recorded):
     """ppg_procgen.py normalises rewards by default: GAE sees each rollout's rewards as the normaliser returned
-    them, once per rollout."""
-    script = load_script("ppg_procgen.py")
-    scaled, gae_rewards = [], []
-    wrap(monkeypatch, script.RewardNormalizer, "__call__", after=lambda out, *a: scaled.append(out.copy()))
-    wrap(monkeypatch, script, "compute_gae", before=lambda rewards, *a: gae_rewards.append(rewards.clone()))
-    main_in_process(script, tiny(script), tmp_path, monkeypatch)
-    assert len(scaled) == len(gae_rewards) == 3
-    for out, rewards in zip(scaled, gae_rewards):
+    them, once per rollout (ppg_atari.py's default is off: its normaliser never runs)."""
+    script, rec, _ = recorded
+    if script.SCRIPT == "ppg_atari.py":
+        assert not rec["scaled"] and len(rec["gae_rewards"]) == 3
+        return
+    assert len(rec["scaled"]) == len(rec["gae_rewards"]) == 3
+    for out, rewards in zip(rec["scaled"], rec["gae_rewards"]):
         assert np.array_equal(out, rewards.numpy())
-
-
-def test_bf16_runs_the_trunks_in_bf16(script, tmp_path, monkeypatch):
-    """--precision bf16 reaches the agent main() builds: its trunks' convolutions output bf16."""
-    dtypes = set()
-
-    def hook_once(agent, *a):
-        if not dtypes:
-            for m in agent.modules():
-                if isinstance(m, torch.nn.Conv2d):
-                    m.register_forward_hook(lambda mod, inp, out: dtypes.add(out.dtype))
-
-    wrap(monkeypatch, script, "collect_rollout", before=hook_once)
-    main_in_process(script, [*tiny(script), "--precision", "bf16"], tmp_path, monkeypatch)
-    assert dtypes == {torch.bfloat16}
 
 
 def test_max_grad_norm_clips_each_network_separately(script):
@@ -204,28 +218,18 @@ def test_entropy_bonus_is_added_with_its_coefficient(script):
     assert torch.allclose(grads[0.01], 0.01 * expected, rtol=1e-3, atol=1e-9)
 
 
-def test_aux_targets_are_v_hat_the_rollout_returns(script, tmp_path, monkeypatch):
+def test_aux_targets_are_v_hat_the_rollout_returns(recorded):
     """The aux phase regresses on V_hat = V + A of each rollout (GAE's returns), not on the values V."""
-    returns = []
-    wrap(monkeypatch, script, "compute_gae", after=lambda out, *a: returns.append(out[1].clone()))
-    targets = []
-    wrap(monkeypatch, script, "auxiliary_phase", before=lambda agent, opt, obs, ret, args: targets.append(ret.clone()))
-    main_in_process(script, tiny(script), tmp_path, monkeypatch)
-    (buffer,) = targets  # one aux phase, after rollouts 1 and 2 (slots 0 and 1: 2 envs each)
-    assert torch.equal(buffer, torch.cat(returns[:2]))
+    _, rec, _ = recorded
+    (buffer,) = rec["targets"]  # one aux phase, after rollouts 1 and 2 (slots 0 and 1: 2 envs each)
+    assert torch.equal(buffer, torch.cat(rec["returns"][:2]))
 
 
-def test_unseen_level_evaluation_plays_the_full_distribution(tmp_path, monkeypatch):
-    script = load_script("ppg_procgen.py")
-    made = []
-    wrap(
-        monkeypatch,
-        script.ProcgenVecEnv,
-        "__init__",
-        before=lambda self, args, num_envs, num_levels, start_level, seed: made.append((num_levels, start_level, seed)),
-    )
-    main_in_process(script, tiny(script, "--num-levels", "10", "--start-level", "5"), tmp_path, monkeypatch)
-    train, *evals = made
+def test_unseen_level_evaluation_plays_the_full_distribution(recorded):
+    script, rec, _ = recorded
+    if script.SCRIPT != "ppg_procgen.py":
+        pytest.skip("unseen levels are Procgen's alone")
+    train, *evals = rec["envs"]
     assert train[:2] == (10, 5)  # training: levels 5..14
     assert len(evals) == 2 and all(e[:2] == (0, 0) for e in evals)  # each phase: the full distribution
     assert all(e[2] != train[2] for e in evals)  # and another level sequence than training's
