@@ -42,7 +42,8 @@ NUM_ACTIONS = 18  # the most any game has (the full action set), for the memory 
 @dataclasses.dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the first part of the run name
-    seed: int = 1  # seed of python, numpy and torch, and of the envs (env i gets seed + i)
+    # seed of python, numpy and torch, and of the envs (env i gets seed + i), in [0, 2^31); the seeds derived from it (per phase, worker and evaluation) wrap around below 2^31 - num_envs
+    seed: int = 1
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
     save_model: bool = False  # if toggled, save the weights and flags to `{run folder}/{exp_name}.pt` at the end
@@ -120,6 +121,7 @@ def make_plan(args: Args, workers: int = 1) -> Plan:
         ("be >= 0", lambda v: v >= 0, "e_aux micro_batch_size beta_clone ent_coef aux_kl_stop max_grad_norm"),
         ("be > 0", lambda v: v > 0, "learning_rate clip_coef"),
         ("lie in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda reward_norm_gamma"),
+        ("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31, "seed"),
     ]
     for rule, ok, names in rules + ENV_RULES:
         for name in names.split():
@@ -151,6 +153,13 @@ def make_plan(args: Args, workers: int = 1) -> Plan:
         aux_minibatches=trajectories // args.aux_mb_trajectories,
         buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE),
     )
+
+
+def derived_seed(seed: int, shift: int, num_envs: int) -> int:
+    """seed + shift, wrapped into [0, 2^31 - num_envs): the one place seeds are derived (per phase, worker and
+    evaluation), so that any phase or worker count gives seeds numpy, torch, Procgen (31-bit) and ALE (env i:
+    seed + i, int32) all take. The identity wherever seed + shift is already that small."""
+    return (seed + shift) % (2**31 - num_envs)
 
 
 CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py --sweep); a GPU takes whole minibatches
@@ -874,7 +883,10 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
 
     # One random stream per start and worker: --seed, shifted by the phases done (so a resumed run is reproducible
     # too) and by the rank (so no two workers play the same games or sample the same actions).
-    seed = args.seed + 100_003 * phase + rank * args.num_envs
+    shift = 100_003 * phase + rank * args.num_envs
+    seed = derived_seed(args.seed, shift, args.num_envs)
+    if seed != args.seed + shift:
+        print(f"seed: --seed {args.seed:,} + {shift:,} (phases done, worker) wraps around to {seed:,}")
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 

@@ -115,6 +115,8 @@ BAD_FLAGS = {
         (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
         (["--ent-coef", "inf"], "--ent-coef must be a finite number"),
         (["--beta-clone", "nan"], "--beta-clone must be a finite number"),
+        (["--seed", "-1"], "--seed must lie in [0, 2^31)"),
+        (["--seed", "2147483648"], "--seed must lie in [0, 2^31)"),
     ],
     "ppg_atari.py": [
         (["--env-id", "BrakeoutNoFrameskip-v4"], "did you mean BreakoutNoFrameskip-v4"),
@@ -128,6 +130,8 @@ BAD_FLAGS = {
         (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
         (["--ent-coef", "inf"], "--ent-coef must be a finite number"),
         (["--beta-clone", "nan"], "--beta-clone must be a finite number"),
+        (["--seed", "-1"], "--seed must lie in [0, 2^31)"),
+        (["--seed", "2147483648"], "--seed must lie in [0, 2^31)"),
     ],
 }
 
@@ -139,13 +143,26 @@ def test_bad_input_gives_one_line(name, tmp_path, monkeypatch):
     script = load_script(name)
     for flags, needle in BAD_FLAGS[name]:
         assert needle in refusal(script, flags, tmp_path, monkeypatch), flags
-    for flags, needle in ((["--arch", "triple"], "--arch"), BAD_FLAGS[name][-1]):  # the parser's, the plan's
+    for flags, needle in ((["--arch", "triple"], "--arch"), (["--seed", "-1"], "--seed")):  # the parser's, the plan's
         proc = run_script(name, *flags, cwd=tmp_path, timeout=60)
         assert proc.returncode != 0, flags
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and needle in errors[0], (flags, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr
         assert not (tmp_path / "runs").exists()  # it stopped before any env, buffer or log existed
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_derived_seeds_stay_in_range_for_any_phase_and_worker_count(name):
+    """Whatever the phase count, worker count, evaluation offset and --seed in its range, every derived seed (and
+    ALE's seed + i of env i) is one the envs take; small seeds are left as they are (no change of arithmetic)."""
+    module = load_script(name)
+    assert module.derived_seed(1, 100_003 * 3 + 64, 64) == 1 + 100_003 * 3 + 64
+    for seed in (0, 1, 2**31 - 100, 2**31 - 1):
+        for shift in (0, 1_000_003, 2_000_003 + 2**31 - 1, 100_003 * 10**6 + 1023 * 64):
+            for num_envs in (1, 2, 64, 4096):
+                derived = module.derived_seed(seed, shift, num_envs)
+                assert 0 <= derived and derived + num_envs - 1 < 2**31 - 1, (seed, shift, num_envs)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -9,7 +9,7 @@ min(episodes, 64) envs plays a fixed share of the episodes, its first ones: taki
 episodes end first would favour short ones. Returns are raw game scores; on Atari, whole games.
 Procgen: the run's training levels, then the full level distribution (unseen levels, as the
 script's evaluate()); a run on all levels (--num-levels 0) has one set. Env seeds differ from
-training's (the run's --seed + 2,000,003 + --seed here). Writes <checkpoint stem>.eval.json beside it.
+training's (the run's --seed + 2,000,003 + --seed here, wrapped below 2^31 as the scripts wrap seeds). Writes <checkpoint stem>.eval.json beside it.
 """
 
 import argparse
@@ -101,6 +101,8 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.episodes < 1:
         parser.error("--episodes must be at least 1")
+    if not 0 <= opts.seed < 2**31:
+        parser.error("--seed must lie in [0, 2^31) (the envs take 31-bit seeds)")
 
     path = os.path.join(opts.checkpoint, "checkpoint.pt") if os.path.isdir(opts.checkpoint) else opts.checkpoint
     module = load_script(which_script(path))
@@ -120,7 +122,8 @@ def main() -> None:
     torch.manual_seed(opts.seed)
 
     folder, stem = os.path.split(path)
-    seed, n = args.seed + 2_000_003 + opts.seed, min(opts.episodes, 64)
+    n = min(opts.episodes, 64)
+    seed = module.derived_seed(args.seed, 2_000_003 + opts.seed, n)  # wrapped below 2^31 - n, as the script does
     procgen = module.SCRIPT == "ppg_procgen.py"
     env_class = module.ProcgenVecEnv if procgen else module.AtariVecEnv
     sets = {"games": ("whole games", {})}  # name: (description, the env class's level arguments)
