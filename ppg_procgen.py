@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 from collections import defaultdict, deque
-from typing import Callable, Dict, List, Literal, Optional, Tuple
+from typing import Callable, Dict, List, Literal, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -80,6 +80,8 @@ class Args:
     # Policy phase (PPO)
     total_timesteps: int = 25_000_000  # env steps of all workers (rounded UP to whole rollouts; the count is printed)
     learning_rate: float = 5e-4  # Adam learning rate of both phases (constant, as in the paper)
+    # if toggled, both optimizers' rate falls linearly to 0 over the run's rollouts (CleanRL's flag; off in the paper); each aux phase takes its phase's last rate
+    anneal_lr: bool = False
     num_envs: int = 64  # number of parallel envs (of each worker, under torchrun)
     num_steps: int = 256  # steps per env in each rollout
     gamma: float = 0.999  # discount factor of GAE and the value targets
@@ -126,7 +128,7 @@ class Plan:
     total_env_steps: int  # num_iterations * batch_size * workers: what the run really does
     aux_slots: int  # rollouts the buffer holds: N_pi if an auxiliary phase ever runs, else 1
     aux_minibatches: int  # auxiliary minibatches per epoch
-    buffer_bytes: int  # bytes of the preallocated uint8 observation buffer
+    buffer_bytes: int  # bytes of every per-step array of buffer_fields (frames uint8), as allocate_buffers makes them
 
 
 def make_plan(args: Args, workers: int = 1) -> Plan:
@@ -168,7 +170,7 @@ def make_plan(args: Args, workers: int = 1) -> Plan:
         total_env_steps=num_iterations * batch_size * workers,
         aux_slots=aux_slots,
         aux_minibatches=trajectories // args.aux_mb_trajectories,
-        buffer_bytes=trajectories * args.num_steps * math.prod(OBS_SHAPE),
+        buffer_bytes=trajectories * args.num_steps * step_bytes(NUM_ACTIONS),
     )
 
 
@@ -199,8 +201,9 @@ def pick_device(args: Args) -> Tuple[Args, torch.device]:
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
     """(bytes this machine's workers need: buffers, a chunk's activations, the process; bytes free or -1), or ArgError."""
-    chunk = min(args.micro_batch_size or math.inf, max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps))
-    buffers = plan.buffer_bytes + plan.aux_slots * plan.batch_size * 4 * (1 + NUM_ACTIONS) + plan.batch_size * 4 * 8
+    minibatch = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)  # states gathered at once
+    chunk = min(args.micro_batch_size or math.inf, minibatch)
+    buffers = plan.buffer_bytes + minibatch * step_bytes(NUM_ACTIONS)  # the buffers, and one minibatch's copy
     allowance = PROCESS_BYTES + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1)
     workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its memory
     cuda = device.type == "cuda"
@@ -316,6 +319,15 @@ class ImpalaEncoder(nn.Module):
         return F.relu(self.dense(F.relu(x.flatten(1))))
 
 
+class AgentOutput(NamedTuple):
+    """What the network returns, by name (no call site unpacks it by position): a new head is a new field."""
+
+    logits: torch.Tensor  # the policy's logits, fp32
+    value: torch.Tensor  # V: the true value head
+    aux_value: torch.Tensor  # V_aux: the auxiliary value head, on the policy trunk
+    features: torch.Tensor  # the policy trunk's features (fp32), for a new head
+
+
 class PPGAgent(nn.Module):
     """Policy network: trunk + policy head + auxiliary value head. True value head:
     dual   - on its own trunk (the value network), so no value gradient reaches the policy trunk;
@@ -338,11 +350,10 @@ class PPGAgent(nn.Module):
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
             return trunk(obs).float()
 
-    def forward(self, obs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (policy logits, true value V, auxiliary value V_aux), all fp32."""
+    def forward(self, obs: torch.Tensor) -> AgentOutput:
         h = self.features(self.pi_trunk, obs)
         v = self.features(self.v_trunk, obs) if self.arch == "dual" else h.detach() if self.arch == "detach" else h
-        return self.pi_head(h), self.value_head(v).squeeze(-1), self.aux_value_head(h).squeeze(-1)
+        return AgentOutput(self.pi_head(h), self.value_head(v).squeeze(-1), self.aux_value_head(h).squeeze(-1), h)
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """The policy alone (no value network pass): for the pi_old snapshot and evaluation."""
@@ -426,10 +437,16 @@ def value_loss(values, returns):
     return 0.5 * (values - returns).pow(2).mean()
 
 
-def clone_kl(old_logits, new_logits):
+def policy_kl(old_logits, new_logits):
     """Exact KL(pi_old || pi) over all actions, averaged over states."""
     old_logp = F.log_softmax(old_logits, dim=-1)
     return (old_logp.exp() * (old_logp - F.log_softmax(new_logits, dim=-1))).sum(-1).mean()
+
+
+def clone_kl(old_logits, new_logits):
+    """L_clone, the paper's KL(pi_old || pi). The KL guard reads policy_kl itself, so a new divergence here leaves
+    the guard as it was."""
+    return policy_kl(old_logits, new_logits)
 
 
 def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: float):
@@ -437,6 +454,50 @@ def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: floa
     l_aux = value_loss(aux_values, returns)
     l_clone = clone_kl(old_logits, new_logits)
     return l_aux + beta_clone * l_clone, l_aux, l_clone
+
+
+def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, epoch: int):
+    """The policy phase's loss on a minibatch (one backward, as in the released code): PPO's clipped surrogate and
+    entropy bonus in the first E_pi epochs, the value loss in the first E_V. Returns (loss, statistics to log)."""
+    loss, stats = 0.0, {}
+    if epoch < args.e_pi:
+        pg_loss, entropy, approx_kl, clipfrac = ppo_policy_loss(
+            out.logits, mb["actions"], mb["logprobs"], mb["advantages"], args.clip_coef
+        )
+        loss = loss + pg_loss - args.ent_coef * entropy
+        stats.update(policy_loss=pg_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
+    if epoch < args.e_v:
+        stats["value_loss"] = value_loss(out.value, mb["returns"])
+        loss = loss + stats["value_loss"]
+    return loss, stats
+
+
+def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
+    """The auxiliary phase's loss on a minibatch: L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone L_clone on the policy
+    network and L_value = 0.5 (V - V_hat)^2 on the value network. Returns (loss, statistics to log)."""
+    joint, l_aux, l_clone = aux_joint_loss(
+        out.aux_value, mb["returns"], mb["pi_old_logits"], out.logits, args.beta_clone
+    )
+    l_value = value_loss(out.value, mb["returns"])
+    return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
+
+
+def annealed_rate(line: Dict[str, float], iteration: int) -> float:
+    """--anneal-lr: the rate of rollout `iteration` (from 1) on a line that starts at `rate` after rollout `start`
+    and falls linearly to 0 after rollout `end` (CleanRL's schedule for a fresh run: start 0, end = all rollouts)."""
+    return line["rate"] * (line["end"] - iteration + 1) / (line["end"] - line["start"])
+
+
+def rate_line(args: Args, plan: Plan, iteration: int, saved: Optional[Dict[str, float]]) -> Dict[str, float]:
+    """--anneal-lr's line: a fresh run's, or the checkpoint's (so a resumed run takes exactly the rates of one that
+    never stopped). A --total-timesteps raised on --resume starts a new line at the rate the next rollout had on the
+    old one, falling to 0 over the new end: no jump, and printed."""
+    line = saved or dict(start=0, rate=args.learning_rate, end=plan.num_iterations)
+    if line["end"] != plan.num_iterations:
+        line = dict(start=iteration, rate=annealed_rate(line, iteration + 1), end=plan.num_iterations)
+        if args.anneal_lr:
+            print(f"--anneal-lr: from rate {line['rate']:.3g} at rollout {iteration + 1} to 0 after {line['end']}")
+    return line
 
 
 def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[torch.Tensor, Dict]]) -> Dict:
@@ -491,91 +552,106 @@ def timed(part: str):
     SPENT[part] += time.perf_counter() - t0
 
 
-ROLLOUT_DTYPES = dict(
-    actions=torch.long, logprobs=torch.float32, values=torch.float32, rewards=torch.float32, ended=torch.bool
-)
+def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """Every per-step array the run stores: name -> (shape of one step's entry, dtype). Allocation, both phases'
+    minibatches and the memory estimate read this table alone: a new per-step target is one entry here, the line
+    that fills it, and the loss that reads it."""
+    return dict(
+        obs=(OBS_SHAPE, torch.uint8),  # frames stay uint8 until the network
+        actions=((), torch.long),
+        logprobs=((), torch.float32),  # log pi(a|s) of the rollout's policy
+        values=((), torch.float32),  # V(s) at rollout time
+        raw_rewards=((), torch.float32),  # the env's rewards
+        rewards=((), torch.float32),  # as trained on: scaled by the reward normaliser when --norm-reward
+        ended=((), torch.bool),  # the step ended its episode
+        advantages=((), torch.float32),  # GAE, normalised per rollout
+        returns=((), torch.float32),  # V_hat = GAE advantages + V: the value and aux targets
+        pi_old_logits=((num_actions,), torch.float32),  # pi_old, written at the start of each aux phase
+    )
+
+
+def step_bytes(num_actions: int) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in buffer_fields(num_actions).values())
+
+
+def allocate_buffers(args: Args, plan: Plan, num_actions: int, device: torch.device) -> Dict[str, torch.Tensor]:
+    """buffer_fields' arrays as rows of whole trajectories, num_envs rows per rollout: slot i of the aux buffer B IS
+    the rollout buffer of iteration i of a phase (written straight into it, at no copy). Every entry is written
+    before it is read, so none is cleared."""
+    rows = (plan.aux_slots * args.num_envs, args.num_steps)
+    fields = buffer_fields(num_actions).items()
+    return {name: torch.empty((*rows, *shape), dtype=dtype, device=device) for name, (shape, dtype) in fields}
 
 
 @torch.no_grad()
-def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, obs_rows: torch.Tensor, ro: Dict, step: int):
-    """num_steps steps of every env: frames straight into obs_rows (uint8: the aux buffer's slot of this rollout), the
-    rest into ro. Returns the next obs, global step and value (GAE's bootstrap), and episodes' (step, return, length)."""
+def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str, torch.Tensor], step: int):
+    """num_steps steps of every env into ro, this rollout's rows of the buffers (frames as uint8). Returns the next
+    obs, global step and value (GAE's bootstrap), and the finished episodes' (step, return, length)."""
     episodes, workers = [], dist.get_world_size() if dist.is_initialized() else 1
-    for t in range(obs_rows.shape[1]):
-        obs_rows[:, t] = next_obs
-        logits, value, _ = agent(next_obs)
-        pi = torch.distributions.Categorical(logits=logits)
+    for t in range(ro["obs"].shape[1]):
+        ro["obs"][:, t] = next_obs
+        out = agent(next_obs)
+        pi = torch.distributions.Categorical(logits=out.logits)
         action = pi.sample()
-        ro["actions"][:, t], ro["logprobs"][:, t], ro["values"][:, t] = action, pi.log_prob(action), value
+        ro["actions"][:, t], ro["logprobs"][:, t], ro["values"][:, t] = action, pi.log_prob(action), out.value
         obs, reward, done, finished = envs.step(action.cpu().numpy())
-        ro["rewards"][:, t], ro["ended"][:, t] = torch.from_numpy(reward), torch.from_numpy(done)
+        ro["raw_rewards"][:, t], ro["ended"][:, t] = torch.from_numpy(reward), torch.from_numpy(done)
         next_obs = torch.from_numpy(obs).to(next_obs.device)
         step += envs.num_envs * workers  # the workers step in lockstep
         episodes += [(step, ep_return, length) for _, ep_return, length in finished]
-    return next_obs, step, agent(next_obs)[1], episodes
+    return next_obs, step, agent(next_obs).value, episodes
 
 
 def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, plan: Plan) -> Dict:
-    """E_pi epochs of the PPO loss (+ entropy bonus) and E_V epochs of the value loss on one rollout, sharing each
-    minibatch's backward pass as in the released code (for dual and detach they touch disjoint parameters, so this
-    equals two separate loops). The auxiliary value head gets no gradient here. Returns means over all minibatches."""
+    """max(E_pi, E_V) epochs of policy_phase_loss over shuffled minibatches of one rollout's states (batch: each
+    buffer's rows of the rollout, flattened). For dual and detach the PPO and value losses touch disjoint parameters,
+    so one backward equals two separate loops; the aux value head gets no gradient. Returns means of all minibatches."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
     for epoch in range(max(args.e_pi, args.e_v)):
-        train_pi, train_v = epoch < args.e_pi, epoch < args.e_v
         for idx in torch.randperm(n, device=batch["obs"].device).split(plan.minibatch_size):
             mb = {k: v[idx] for k, v in batch.items()}
 
             def loss_fn(part: slice):
-                logits, values, _ = agent(mb["obs"][part])
-                loss, stats = 0.0, {}
-                if train_pi:
-                    pg_loss, entropy, approx_kl, clipfrac = ppo_policy_loss(
-                        logits, mb["actions"][part], mb["logprobs"][part], mb["advantages"][part], args.clip_coef
-                    )
-                    loss = loss + pg_loss - args.ent_coef * entropy
-                    stats.update(policy_loss=pg_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
-                if train_v:
-                    stats["value_loss"] = value_loss(values, mb["returns"][part])
-                    loss = loss + stats["value_loss"]
-                return loss, stats
+                chunk = {k: v[part] for k, v in mb.items()}
+                return policy_phase_loss(agent(chunk["obs"]), chunk, args, epoch)
 
-            stats = accumulate_gradients(mb["obs"].shape[0], args.micro_batch_size, loss_fn)
+            stats = accumulate_gradients(idx.shape[0], args.micro_batch_size, loss_fn)
             optimizer_step(optimizer, agent, args.max_grad_norm, stats)
             for k, v in stats.items():
                 logs[k].append(v)
     return mean_over_workers(logs)
 
 
-def auxiliary_phase(agent: PPGAgent, optimizer, obs_buffer: torch.Tensor, returns_buffer: torch.Tensor, args: Args):
-    """Snapshot pi_old, then E_aux epochs over minibatches of whole trajectories of
-    L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone KL(pi_old || pi)  on the policy network, and
-    L_value = 0.5 (V - V_hat)^2  on the value network. V_hat (returns_buffer) stays fixed.
-    Stops after an epoch whose mean KL exceeds --aux-kl-stop (the seed's KL guard). Returns each epoch's means."""
-    chunk, epochs = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps, []
+def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor], args: Args):
+    """Snapshot pi_old into the buffers, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories
+    (V_hat, the returns, stays fixed). Stops after an epoch whose mean KL(pi_old || pi), measured apart from the
+    loss as guard_kl, exceeds --aux-kl-stop (the seed's KL guard). Returns each epoch's means."""
+    chunk, epochs, rows = (
+        args.micro_batch_size or args.aux_mb_trajectories * args.num_steps,
+        [],
+        buffers["obs"].shape[0],
+    )
     with timed("snapshot"):
-        old_logits = snapshot_policy(agent, obs_buffer, chunk)
+        buffers["pi_old_logits"].copy_(snapshot_policy(agent, buffers["obs"], chunk))
     with timed("aux_epochs"):
         for _ in range(args.e_aux):
             logs = defaultdict(list)
-            for traj in torch.randperm(obs_buffer.shape[0], device=obs_buffer.device).split(args.aux_mb_trajectories):
-                # Whole trajectories: each one is a contiguous row block of the buffer.
-                obs, targets = obs_buffer[traj].flatten(0, 1), returns_buffer[traj].flatten()
-                old = old_logits[traj].flatten(0, 1)
+            for traj in torch.randperm(rows, device=buffers["obs"].device).split(args.aux_mb_trajectories):
+                mb = {k: v[traj].flatten(0, 1) for k, v in buffers.items()}  # whole trajectories: row blocks of B
 
                 def loss_fn(part: slice):
-                    logits, values, v_aux = agent(obs[part])
-                    joint, l_aux, l_clone = aux_joint_loss(v_aux, targets[part], old[part], logits, args.beta_clone)
-                    l_value = value_loss(values, targets[part])
-                    stats = dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
-                    return joint + l_value, stats
+                    chunk_mb = {k: v[part] for k, v in mb.items()}
+                    out = agent(chunk_mb["obs"])
+                    loss, stats = aux_phase_loss(out, chunk_mb, args)
+                    return loss, dict(stats, guard_kl=policy_kl(chunk_mb["pi_old_logits"], out.logits.detach()))
 
-                stats = accumulate_gradients(obs.shape[0], chunk, loss_fn)
+                stats = accumulate_gradients(mb["obs"].shape[0], chunk, loss_fn)
                 optimizer_step(optimizer, agent, args.max_grad_norm, stats)
                 for k, v in stats.items():
                     logs[k].append(v)
             epochs.append(mean_over_workers(logs))  # the same means on every worker: the KL guard stops all at once
-            if 0 < args.aux_kl_stop < epochs[-1]["clone_kl"] and len(epochs) < args.e_aux:
-                kl = f"mean clone KL {epochs[-1]['clone_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}"
+            if 0 < args.aux_kl_stop < epochs[-1]["guard_kl"] and len(epochs) < args.e_aux:
+                kl = f"mean KL(pi_old || pi) {epochs[-1]['guard_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}"
                 print(f"auxiliary phase stopped after epoch {len(epochs)}/{args.e_aux}: {kl}", flush=True)
                 break
     SPENT["aux_phases"] += 1
@@ -655,7 +731,8 @@ def save_checkpoint(path: str, state: Dict) -> None:
 
 
 def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
-    """A checkpoint (or --save-model file) of this script and version, or ArgError with one line saying why not.
+    """A checkpoint (or --save-model file) of this script, or ArgError with one line saying why not. One written
+    before a flag existed takes that flag's default, said in one line; a flag this version lacks is refused.
     weights_only: the file holds tensors and plain Python values only, and loading runs no code."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     try:
@@ -668,8 +745,14 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
         raise ArgError(f"{flag} {path}: written by {script or 'something else'}, not by {SCRIPT}")
     if state.get("format") != CHECKPOINT_FORMAT or not {"run_name", "args", "agent"} <= state.keys():
         raise ArgError(f"{flag} {path}: checkpoint format {state.get('format')}; {SCRIPT} reads {CHECKPOINT_FORMAT}")
-    if differ := sorted(set(state["args"]) ^ {f.name for f in dataclasses.fields(Args)}):  # another version's flags
-        raise ArgError(f"{flag} {path}: written by a version of {SCRIPT} with other flags ({', '.join(differ)})")
+    flags, defaults = {f.name for f in dataclasses.fields(Args)}, Args()
+    if unknown := sorted(set(state["args"]) - flags):  # a later (or another) version's flags
+        raise ArgError(
+            f"{flag} {path}: written by a version of {SCRIPT} with flags this one lacks ({', '.join(unknown)})"
+        )
+    if missing := sorted(flags - set(state["args"])):
+        state["args"] = dict(state["args"], **{name: getattr(defaults, name) for name in missing})
+        print(f"{path}: written before {', '.join('--' + n.replace('_', '-') for n in missing)}: default values taken")
     return state
 
 
@@ -792,7 +875,7 @@ def print_plan(args: Args, plan: Plan, run_name: str, device, workers: int, phas
     print(
         f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
         f"{aux}{args.aux_mb_trajectories * args.num_steps} states; PPO minibatch {k_x}{plan.minibatch_size} states; "
-        f"observation buffer {k_x}{plan.buffer_bytes / 2**30:.2f} GiB uint8; need about {memory[0] / 2**30:.2f} GiB{free}"
+        f"buffers {k_x}{plan.buffer_bytes / 2**30:.2f} GiB (frames uint8); need about {memory[0] / 2**30:.2f} GiB{free}"
     )
     chunk = args.micro_batch_size or "whole minibatches of"
     print(f"precision {args.precision}; forward/backward in chunks of {chunk} states", flush=True)
@@ -837,6 +920,8 @@ def prepare(args: Args, given: Optional[set], workers: int):
         plan = make_plan(args, workers)
         return args, ckpt, run_dir, device, plan, check_memory(args, plan, device)
     except ArgError as e:
+        if int(os.environ.get("LOCAL_RANK", 0)):  # the first worker prints: torchrun must not stop it before it has
+            time.sleep(3)
         sys.exit(f"error: {e}" if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2)
 
 
@@ -872,13 +957,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
     stateful["reward_normalizer"] = reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
-    # Buffers. Slot i of the auxiliary buffer B IS the rollout buffer of iteration i of a phase: rollouts are written
-    # straight into it as uint8, at no copy. Rows are whole trajectories, num_envs rows per rollout.
-    rows = (plan.aux_slots * args.num_envs, args.num_steps)
-    obs_buffer = torch.empty((*rows, *OBS_SHAPE), dtype=torch.uint8, device=device)
-    returns_buffer = torch.zeros(rows, device=device)  # V_hat
-    shape = (args.num_envs, args.num_steps)
-    rollout = {k: torch.zeros(shape, dtype=dtype, device=device) for k, dtype in ROLLOUT_DTYPES.items()}
+    # The buffers of buffer_fields: rows of whole trajectories; slot i of the aux buffer B is rollout i of a phase
+    buffers = allocate_buffers(args, plan, envs.num_actions, device)
 
     global_step, aux_epochs_done, phases, saved = 0, 0, [], None  # saved: (phase, step) of the last checkpoint
     SPENT.clear()
@@ -889,6 +969,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
         SPENT.update(ckpt["spent"])
         log.recent_returns.extend(ckpt["recent_returns"])
         print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}")
+    line = rate_line(args, plan, iteration, ckpt.get("rate_line") if ckpt else None)  # --anneal-lr's schedule
     if workers > 1:
         start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
     stop, next_obs = StopSignal(), torch.from_numpy(envs.reset()).to(device)
@@ -898,26 +979,34 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
             for i in range(min(args.n_pi, plan.num_iterations - iteration)):
                 iteration, first_row = iteration + 1, i % plan.aux_slots * args.num_envs
-                slot = slice(first_row, first_row + args.num_envs)  # this rollout's rows of B
+                ro = {k: v[first_row : first_row + args.num_envs] for k, v in buffers.items()}  # its rows of B
+                if args.anneal_lr:  # both optimizers: the aux phase after the phase's last rollout keeps its rate
+                    for group in policy_optimizer.param_groups + aux_optimizer.param_groups:
+                        group["lr"] = annealed_rate(line, iteration)
                 with timed("rollout"):
                     next_obs, global_step, next_value, episodes = collect_rollout(
-                        agent, envs, next_obs, obs_buffer[slot], rollout, global_step
+                        agent, envs, next_obs, ro, global_step
                     )
-                    rewards, ended, values = rollout["rewards"], rollout["ended"], rollout["values"]
+                    rewards = ro["raw_rewards"]
                     if args.norm_reward:  # once per rollout: update the return statistics, then scale
-                        rewards.copy_(torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ended.cpu().numpy())))
-                    # GAE with the value network's predictions; the targets V_hat = V + A
-                    advantages, returns = compute_gae(rewards, values, ended, next_value, args.gamma, args.gae_lambda)
+                        rewards = torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ro["ended"].cpu().numpy()))
+                    ro["rewards"].copy_(rewards)
+                    # GAE with the value network's predictions; the targets V_hat = V + A, kept in B for the aux phase
+                    advantages, returns = compute_gae(
+                        ro["rewards"], ro["values"], ro["ended"], next_value, args.gamma, args.gae_lambda
+                    )
+                    ro["returns"].copy_(returns)
                 log.episodes(episodes)
                 with timed("policy_update"):
-                    batch = dict(obs=obs_buffer[slot].flatten(0, 1), returns=returns.flatten())
-                    batch.update({k: rollout[k].flatten() for k in ("actions", "logprobs")})
-                    batch["advantages"] = normalise_advantages(advantages).flatten()
+                    ro["advantages"].copy_(normalise_advantages(advantages))
+                    batch = {k: v.flatten(0, 1) for k, v in ro.items()}
                     stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
-                returns_buffer[slot] = returns  # V_hat for the auxiliary phase (the observations are in B already)
 
                 var_y = global_moments(returns)[2]
-                stats["explained_variance"] = 1 - global_moments(returns - values)[2] / var_y if var_y else math.nan
+                stats["explained_variance"] = (
+                    1 - global_moments(returns - ro["values"])[2] / var_y if var_y else math.nan
+                )
+                stats["learning_rate"] = policy_optimizer.param_groups[0]["lr"]
                 eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, SPENT)
                 progress = f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations}"
                 log.rollout(progress, global_step, stats, eta)
@@ -929,7 +1018,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B, then B is reused ============
             aux_epochs = []
             if args.e_aux > 0 and iteration < plan.num_iterations:  # none after the last rollout: nothing would use it
-                aux_epochs = auxiliary_phase(agent, aux_optimizer, obs_buffer, returns_buffer, args)
+                aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args)
                 aux_epochs_done += len(aux_epochs)
                 log.scalars("charts/", dict(aux_epochs=len(aux_epochs)), global_step)
             phase_s = time.time() - phase_start
@@ -941,7 +1030,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             counters = dict(workers=workers, global_step=global_step, phase=phase, aux_epochs_done=aux_epochs_done)
             if rank == 0:
                 state = {name: thing.state_dict() for name, thing in stateful.items()}
-                state.update(counters, recent_returns=list(log.recent_returns), spent=dict(SPENT))
+                state.update(counters, recent_returns=list(log.recent_returns), spent=dict(SPENT), rate_line=line)
                 save_checkpoint(f"{run_dir}/checkpoint.pt", dict(model_file(args, run_name, agent), **state))
             saved = (phase, global_step)
             for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs run; logged after the checkpoint,

@@ -92,6 +92,15 @@ def random_obs(module, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, *module.OBS_SHAPE), dtype=torch.uint8)
 
 
+def aux_buffers(module, obs: torch.Tensor, returns: torch.Tensor, num_actions: int = 6) -> dict:
+    """Buffers as main() hands them to auxiliary_phase: every field of the script's buffer_fields, (trajectories,
+    steps, ...), with these frames and V_hat (the rest zeros; pi_old_logits is the phase's to write)."""
+    fields = module.buffer_fields(num_actions).items()
+    buffers = {k: torch.zeros((*returns.shape, *shape), dtype=dtype) for k, (shape, dtype) in fields}
+    buffers.update(obs=obs, returns=returns)
+    return buffers
+
+
 def random_batch(module, n: int, num_actions: int) -> dict:
     """A rollout-shaped batch as main() hands it to policy_phase_update."""
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from conftest import dp_check_setup, load_script  # noqa: E402
+from conftest import aux_buffers, dp_check_setup, load_script  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -27,7 +27,10 @@ for name in sys.argv[2:]:
         script.make_plan(args, world),
     )
     aux = script.auxiliary_phase(
-        agent, torch.optim.SGD(agent.parameters(), lr=0.1), obs_buffer[rows], returns_buffer[rows], args
+        agent,
+        torch.optim.SGD(agent.parameters(), lr=0.1),
+        aux_buffers(script, obs_buffer[rows], returns_buffer[rows]),
+        args,
     )
     torch.save(
         dict(

@@ -173,10 +173,10 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path, monkeypatc
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(procgen.ArgError, match="format 0"):
         procgen.load_checkpoint(str(tmp_path / "old.pt"))
-    other = dict(torch.load(path, weights_only=True))  # written before --num-eval-envs went
+    other = dict(torch.load(path, weights_only=True))  # written by a version with a flag this one lacks
     other["args"] = dict(other["args"], num_eval_envs=64)
     torch.save(other, tmp_path / "other.pt")
-    with pytest.raises(procgen.ArgError, match=r"with other flags \(num_eval_envs\)"):
+    with pytest.raises(procgen.ArgError, match=r"with flags this one lacks \(num_eval_envs\)"):
         procgen.load_checkpoint(str(tmp_path / "other.pt"))
     # flags that do not change what is trained may be given
     resumed, _, _ = procgen.resume_args(procgen.Args(resume=str(path), total_timesteps=10**8, micro_batch_size=64))
@@ -191,6 +191,25 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path, monkeypatc
     assert resumed.cuda and resumed.e_aux == 0
     with pytest.raises(procgen.ArgError, match="--e-aux 6 conflicts with the checkpoint's 0"):
         procgen.resume_args(procgen.Args(resume=str(no_cuda), e_aux=6), given={"resume", "e_aux"})
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_checkpoint_from_before_a_new_flag_resumes_and_evaluates(name, tiny_run, tmp_path, monkeypatch, capsys):
+    """The shared run's checkpoint and model file as a version before --anneal-lr wrote them (one flag fewer): the
+    flag takes its default, one line says so, and the run resumes and tools/evaluate.py reads both files."""
+    from test_evaluate import run_tool
+
+    run = copy_run(tiny_run(name), tmp_path)
+    for file in (run / "checkpoint.pt", run / f"{name[:-3]}.pt"):
+        state = torch.load(file, weights_only=True)
+        del state["args"]["anneal_lr"]
+        torch.save(state, file)
+        out = run_tool(monkeypatch, capsys, str(file), "--episodes", "2", "--cpu")
+        assert f"{file}: written before --anneal-lr: default values taken" in out and "mean return" in out
+    main_in_process(load_script(name), ["--resume", str(run), "--total-timesteps", "256"], tmp_path, monkeypatch)
+    assert "written before --anneal-lr: default values taken" in capsys.readouterr().out
+    state = load_script(name).load_checkpoint(str(run))
+    assert state["global_step"] == 256 and state["args"]["anneal_lr"] is False
 
 
 def test_injected_nan_stops_the_run_and_leaves_the_last_checkpoint_intact(script, tmp_path, monkeypatch):

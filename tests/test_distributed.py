@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPTS, TINY_FLAGS, dp_check_setup, load_script, run_script, torchrun
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, aux_buffers, dp_check_setup, load_script, run_script, torchrun
 
 
 def flags(name: str, **changes) -> list:
@@ -97,7 +97,8 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(name, dp_res
     stats = script.policy_phase_update(
         agent, torch.optim.SGD(agent.parameters(), lr=0.1), batch, args, script.make_plan(args)
     )
-    aux = script.auxiliary_phase(agent, torch.optim.SGD(agent.parameters(), lr=0.1), obs_buffer, returns_buffer, args)
+    buffers = aux_buffers(script, obs_buffer, returns_buffer)
+    aux = script.auxiliary_phase(agent, torch.optim.SGD(agent.parameters(), lr=0.1), buffers, args)
     assert all(torch.equal(a, b) for a, b in zip(workers[0]["params"], workers[1]["params"]))  # bitwise in sync
     for p, q, s in zip(agent.parameters(), workers[0]["params"], start):
         assert bool(torch.count_nonzero(p.detach() - s))  # every parameter moved

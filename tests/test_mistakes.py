@@ -49,7 +49,10 @@ def recorded(request, tmp_path_factory):
         wrap(mp, script, "policy_phase_update", before=lambda *a: phase.__setitem__(0, "policy"))
         wrap(mp, script, "auxiliary_phase", before=lambda *a: phase.__setitem__(0, "aux"))
         wrap(
-            mp, script, "auxiliary_phase", before=lambda agent, opt, obs, ret, args: rec["targets"].append(ret.clone())
+            mp,
+            script,
+            "auxiliary_phase",
+            before=lambda agent, opt, buffers, args: rec["targets"].append(buffers["returns"].clone()),
         )
         wrap(mp, script, "optimizer_step", before=lambda opt, *a: rec["steps"].append((phase[0], opt)))
         wrap(mp, script, "compute_gae", before=lambda rewards, *a: rec["gae_rewards"].append(rewards.clone()))
@@ -269,16 +272,17 @@ def test_a_signal_during_the_last_rollout_lets_the_run_finish(script, tmp_path, 
 
 
 def test_memory_estimate_counts_the_buffers(script):
-    args, _ = script.pick_device(script.Args(cuda=False))
+    """The estimate is the bytes main() allocates (buffer_fields, read by allocate_buffers and the plan alike), one
+    minibatch's gathered copy, a chunk's activations and the process: no array is counted by a formula of its own."""
+    args = script.pick_device(script.Args(cuda=False, num_envs=4, num_steps=16, n_pi=3, total_timesteps=10**6))[0]
     plan = script.make_plan(args)
-    needed, free = script.check_memory(args, plan, torch.device("cpu"))
-    obs = plan.aux_slots * args.num_envs * args.num_steps * int(np.prod(script.OBS_SHAPE))
-    assert plan.buffer_bytes == obs  # the uint8 observation buffer main() allocates
-    targets_and_pi_old = plan.aux_slots * plan.batch_size * 4 * (1 + script.NUM_ACTIONS)
-    assert needed >= obs + targets_and_pi_old + script.PROCESS_BYTES
-    chunk = args.micro_batch_size * script.ACTIVATION_BYTES_PER_TRUNK_STATE * 2  # dual: two trunks
-    assert needed - (obs + targets_and_pi_old + script.PROCESS_BYTES + chunk) == plan.batch_size * 32  # one rollout
-    # the buffers main() builds have exactly that size
-    buffer = torch.empty((plan.aux_slots * args.num_envs, args.num_steps, *script.OBS_SHAPE), dtype=torch.uint8)
-    assert buffer.numel() * buffer.element_size() == plan.buffer_bytes
+    buffers = script.allocate_buffers(args, plan, script.NUM_ACTIONS, torch.device("cpu"))
+    assert sum(b.numel() * b.element_size() for b in buffers.values()) == plan.buffer_bytes
+    assert buffers["obs"].dtype == torch.uint8 and buffers["obs"].shape == (3 * 4, 16, *script.OBS_SHAPE)
+    assert all(b.shape[:2] == (12, 16) for b in buffers.values())  # every array: rows of whole trajectories
+    needed, _ = script.check_memory(args, plan, torch.device("cpu"))
+    minibatch = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)
+    chunk = min(args.micro_batch_size, minibatch) * script.ACTIVATION_BYTES_PER_TRUNK_STATE * 2  # dual: two trunks
+    gathered = minibatch * plan.buffer_bytes // (plan.aux_slots * plan.batch_size)  # one minibatch of every array
+    assert needed == plan.buffer_bytes + gathered + script.PROCESS_BYTES + chunk
     assert random_obs(script, 1).dtype == torch.uint8

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script, random_batch, random_obs
+from conftest import aux_buffers, load_script, random_batch, random_obs
 
 A = 6  # actions of the test agents
 
@@ -154,8 +154,9 @@ def test_bf16_gradients_point_the_same_way(script, arch):
         agent = make_agent(script, arch)
         agent.bf16 = bf16
         batch = random_batch(script, 64, A)
-        logits, values, aux_values = agent(batch["obs"])
-        assert logits.dtype == values.dtype == aux_values.dtype == torch.float32
+        out = agent(batch["obs"])
+        logits, values, aux_values = out.logits, out.value, out.aux_value
+        assert logits.dtype == values.dtype == aux_values.dtype == out.features.dtype == torch.float32
         pg_loss, entropy, _, _ = script.ppo_policy_loss(
             logits, batch["actions"], batch["logprobs"], batch["advantages"], 0.2
         )
@@ -195,7 +196,7 @@ def test_chunked_gradients_equal_whole_minibatch(script, arch):
         torch.manual_seed(123)
         stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args, script.make_plan(args))
         obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
-        aux = script.auxiliary_phase(agent, aux_opt, obs_buf, torch.randn(4, 8), args)
+        aux = script.auxiliary_phase(agent, aux_opt, aux_buffers(script, obs_buf, torch.randn(4, 8)), args)
         results.append(([p.detach() - s for p, s in zip(agent.parameters(), start)], stats, aux))
     (d0, s0, e0), (d1, s1, e1) = results
     assert all(bool(torch.count_nonzero(d)) for d in d0)  # every parameter was trained
@@ -267,9 +268,9 @@ def test_aux_phase_each_loss_touches_only_its_network(script, arch):
     obs = random_obs(script, 6)
     targets = torch.randn(6)
     old = torch.randn(6, A)
-    logits, values, aux_values = agent(obs)
-    joint, _, _ = script.aux_joint_loss(aux_values, targets, old, logits, beta_clone=1.0)
-    l_value = script.value_loss(values, targets)
+    out = agent(obs)
+    joint, _, _ = script.aux_joint_loss(out.aux_value, targets, old, out.logits, beta_clone=1.0)
+    l_value = script.value_loss(out.value, targets)
     pi_params, v_params = agent.policy_parameters(), agent.value_parameters()
     g_joint = torch.autograd.grad(joint, pi_params + v_params, retain_graph=True, allow_unused=True)
     g_value = torch.autograd.grad(l_value, pi_params + v_params, allow_unused=True)
@@ -288,14 +289,16 @@ def test_aux_phase_real_update_touches_each_network_only_through_its_loss(script
     agent = make_agent(script, arch)
     obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
     with torch.no_grad():
-        _, values, aux_values = agent(obs_buf.flatten(0, 1))
-    targets = (values if frozen == "value" else aux_values).view(4, 8).clone()
+        out = agent(obs_buf.flatten(0, 1))
+    targets = (out.value if frozen == "value" else out.aux_value).view(4, 8).clone()
     args = small_args(script, e_aux=1, aux_mb_trajectories=4, beta_clone=0.0 if frozen == "policy" else 1.0)
     still = agent.value_parameters() if frozen == "value" else agent.policy_parameters()
     moving = agent.policy_parameters() if frozen == "value" else agent.value_parameters()
     before_still = [p.detach().clone() for p in still]
     before_moving = [p.detach().clone() for p in moving]
-    script.auxiliary_phase(agent, torch.optim.SGD(agent.parameters(), lr=1.0), obs_buf, targets, args)
+    script.auxiliary_phase(
+        agent, torch.optim.SGD(agent.parameters(), lr=1.0), aux_buffers(script, obs_buf, targets), args
+    )
     assert all(torch.allclose(b, p, atol=1e-6) for b, p in zip(before_still, still))
     trained = [not torch.allclose(b, p, atol=1e-6) for b, p in zip(before_moving, moving)]
     assert sum(trained) >= len(moving) // 2  # (the policy head only moves once the KL is non-zero)
@@ -313,7 +316,8 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
     targets = torch.randn(4, 8) * 5
     # one minibatch per epoch: epoch 1's mean KL is the first minibatch's; epoch 2 follows one update
     args = small_args(script, e_aux=2, aux_mb_trajectories=4, aux_kl_stop=0.0)
-    aux = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), obs_buf, targets, args)
+    buffers = aux_buffers(script, obs_buf, targets)
+    aux = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), buffers, args)
     assert aux[0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
     assert aux[1]["clone_kl"] > 1e-5
     old = script.snapshot_policy(agent, obs_buf, chunk=5)
@@ -330,8 +334,7 @@ def test_kl_guard_stops_aux_phase(script, capsys):
     guarded = script.auxiliary_phase(
         agent,
         torch.optim.Adam(agent.parameters(), lr=1e-2),
-        obs_buf,
-        targets,
+        aux_buffers(script, obs_buf, targets),
         small_args(script, e_aux=3, aux_kl_stop=1e-9),
     )
     assert len(guarded) == 1 and guarded[0]["clone_kl"] > 1e-9
@@ -340,8 +343,7 @@ def test_kl_guard_stops_aux_phase(script, capsys):
     unguarded = script.auxiliary_phase(
         agent,
         torch.optim.Adam(agent.parameters(), lr=1e-2),
-        obs_buf,
-        targets,
+        aux_buffers(script, obs_buf, targets),
         small_args(script, e_aux=3, aux_kl_stop=0.0),
     )
     assert len(unguarded) == 3
@@ -350,8 +352,7 @@ def test_kl_guard_stops_aux_phase(script, capsys):
     last = script.auxiliary_phase(
         agent,
         torch.optim.Adam(agent.parameters(), lr=1e-2),
-        obs_buf,
-        targets,
+        aux_buffers(script, obs_buf, targets),
         small_args(script, e_aux=1, aux_kl_stop=1e-9),
     )
     assert len(last) == 1 and "stopped" not in capsys.readouterr().out

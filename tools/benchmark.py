@@ -73,9 +73,9 @@ def raw_speed(module, agent, device, chunk: int, states: int = 2048) -> dict:
             t0 = time.perf_counter()
             for start in range(0, states, chunk):
                 with torch.set_grad_enabled(grad):
-                    logits, value, aux_value = agent(obs[start : start + chunk])
+                    out = agent(obs[start : start + chunk])
                 if grad:
-                    (logits.sum() + value.sum() + aux_value.sum()).backward()
+                    (out.logits.sum() + out.value.sum() + out.aux_value.sum()).backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()
         result[name] = states / (time.perf_counter() - t0)
