@@ -103,7 +103,8 @@ class Args:
     e_aux: int = 6  # E_aux: auxiliary epochs per phase (0 disables the auxiliary phase)
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
     aux_mb_trajectories: int = 4  # whole --num-steps trajectories per aux minibatch of each worker (4 x 256 states)
-    aux_kl_stop: float = 0.02  # stop the auxiliary phase after an epoch whose mean clone KL exceeds this (0 disables)
+    # stop the auxiliary phase after an epoch whose mean KL(pi_old || pi) exceeds this (0 disables); the guard measures it apart from the clone loss
+    aux_kl_stop: float = 0.02
     # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
     micro_batch_size: Optional[int] = None
     # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (docs/benchmarks.md says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
@@ -475,9 +476,8 @@ def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args,
 def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
     """The auxiliary phase's loss on a minibatch: L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone L_clone on the policy
     network and L_value = 0.5 (V - V_hat)^2 on the value network. Returns (loss, statistics to log)."""
-    joint, l_aux, l_clone = aux_joint_loss(
-        out.aux_value, mb["returns"], mb["pi_old_logits"], out.logits, args.beta_clone
-    )
+    old, new = mb["pi_old_logits"], out.logits
+    joint, l_aux, l_clone = aux_joint_loss(out.aux_value, mb["returns"], old, new, args.beta_clone)
     l_value = value_loss(out.value, mb["returns"])
     return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
@@ -490,13 +490,13 @@ def annealed_rate(line: Dict[str, float], iteration: int) -> float:
 
 def rate_line(args: Args, plan: Plan, iteration: int, saved: Optional[Dict[str, float]]) -> Dict[str, float]:
     """--anneal-lr's line: a fresh run's, or the checkpoint's (so a resumed run takes exactly the rates of one that
-    never stopped). A --total-timesteps raised on --resume starts a new line at the rate the next rollout had on the
-    old one, falling to 0 over the new end: no jump, and printed."""
+    never stopped). A --total-timesteps raised on --resume (after `iteration` rollouts) starts a new line at the rate
+    of the last rollout done, falling to 0 after the new end: no jump, and printed."""
     line = saved or dict(start=0, rate=args.learning_rate, end=plan.num_iterations)
     if line["end"] != plan.num_iterations:
-        line = dict(start=iteration, rate=annealed_rate(line, iteration + 1), end=plan.num_iterations)
+        line = dict(start=iteration - 1, rate=annealed_rate(line, iteration), end=plan.num_iterations)
         if args.anneal_lr:
-            print(f"--anneal-lr: from rate {line['rate']:.3g} at rollout {iteration + 1} to 0 after {line['end']}")
+            print(f"--anneal-lr: rate {line['rate']:.3g} at rollout {iteration}, falling to 0 after {line['end']}")
     return line
 
 
@@ -1006,7 +1006,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
                 stats["explained_variance"] = (
                     1 - global_moments(returns - ro["values"])[2] / var_y if var_y else math.nan
                 )
-                stats["learning_rate"] = policy_optimizer.param_groups[0]["lr"]
+                log.scalars("charts/", dict(learning_rate=policy_optimizer.param_groups[0]["lr"]), global_step)
                 eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, SPENT)
                 progress = f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations}"
                 log.rollout(progress, global_step, stats, eta)

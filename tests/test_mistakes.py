@@ -271,6 +271,53 @@ def test_a_signal_during_the_last_rollout_lets_the_run_finish(script, tmp_path, 
     assert state["phase"] == 2 and state["global_step"] == 192
 
 
+def test_anneal_lr_survives_a_stop_and_a_raised_budget(tmp_path, monkeypatch, capfd):
+    """--anneal-lr over 6 rollouts, stopped by SIGTERM in rollout 3 and resumed from the phase-1 checkpoint: every
+    rollout's rate (both optimizers; the aux phase takes its phase's last) is exactly CleanRL's lr (N - i + 1) / N of
+    a run that never stopped. Then --total-timesteps raised to 8 rollouts: the line restarts at the last rate, r_6,
+    and falls to 0 after rollout 8: r_6 (8 - i + 1) / 3."""
+    script, lr, rates = load_script("ppg_atari.py"), 2.5e-4, {"policy": [], "aux": []}
+    for kind, name in (("policy", "policy_phase_update"), ("aux", "auxiliary_phase")):  # each rate as it is used
+        wrap(
+            monkeypatch,
+            script,
+            name,
+            before=lambda a, opt, *r, kind=kind: rates[kind].append(opt.param_groups[0]["lr"]),
+        )
+    gae_calls = []
+
+    def stop_in_rollout_3(*a):
+        gae_calls.append(1)
+        if len(gae_calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    wrap(monkeypatch, script, "compute_gae", before=stop_in_rollout_3)
+    got = {"policy": [], "aux": []}
+
+    def take():
+        for kind in got:
+            got[kind] += rates[kind]
+            rates[kind].clear()
+
+    with pytest.raises(SystemExit):
+        main_in_process(script, tiny(script, "--anneal-lr", "--total-timesteps", "384"), tmp_path, monkeypatch)
+    take()
+    (run,) = (tmp_path / "runs").iterdir()
+    main_in_process(script, ["--resume", str(run)], tmp_path, monkeypatch)
+    take()
+    uninterrupted = [lr * (6 - i + 1) / 6 for i in range(1, 7)]
+    assert got["policy"] == uninterrupted[:3] + uninterrupted[2:]  # rollout 3 ran twice: before the stop and after
+    assert got["aux"] == [uninterrupted[1], uninterrupted[3]]  # after rollouts 2 and 4 (none after the last)
+    main_in_process(script, ["--resume", str(run), "--total-timesteps", "512"], tmp_path, monkeypatch)
+    take()
+    r6 = uninterrupted[-1]
+    assert got["policy"][-2:] == [r6 * (8 - i + 1) / 3 for i in (7, 8)]
+    assert f"--anneal-lr: rate {r6:.3g} at rollout 6, falling to 0 after 8" in capfd.readouterr().out
+    from conftest import read_scalars
+
+    assert read_scalars(tmp_path)["charts/learning_rate"][-2:] == pytest.approx(got["policy"][-2:], rel=1e-6)
+
+
 def test_memory_estimate_counts_the_buffers(script):
     """The estimate is the bytes main() allocates (buffer_fields, read by allocate_buffers and the plan alike), one
     minibatch's gathered copy, a chunk's activations and the process: no array is counted by a formula of its own."""
