@@ -354,7 +354,12 @@ class PPGAgent(nn.Module):
     def forward(self, obs: torch.Tensor) -> AgentOutput:
         h = self.features(self.pi_trunk, obs)
         v = self.features(self.v_trunk, obs) if self.arch == "dual" else h.detach() if self.arch == "detach" else h
-        return AgentOutput(self.pi_head(h), self.value_head(v).squeeze(-1), self.aux_value_head(h).squeeze(-1), h)
+        return AgentOutput(
+            logits=self.pi_head(h),
+            value=self.value_head(v).squeeze(-1),
+            aux_value=self.aux_value_head(h).squeeze(-1),
+            features=h,
+        )
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """The policy alone (no value network pass): for the pi_old snapshot and evaluation."""
@@ -444,10 +449,7 @@ def policy_kl(old_logits, new_logits):
     return (old_logp.exp() * (old_logp - F.log_softmax(new_logits, dim=-1))).sum(-1).mean()
 
 
-def clone_kl(old_logits, new_logits):
-    """L_clone, the paper's KL(pi_old || pi). The KL guard reads policy_kl itself, so a new divergence here leaves
-    the guard as it was."""
-    return policy_kl(old_logits, new_logits)
+clone_kl = policy_kl  # L_clone, the paper's KL(pi_old || pi); the KL guard reads policy_kl, whatever L_clone becomes
 
 
 def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: float):
@@ -600,6 +602,21 @@ def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str,
         step += envs.num_envs * workers  # the workers step in lockstep
         episodes += [(step, ep_return, length) for _, ep_return, length in finished]
     return next_obs, step, agent(next_obs).value, episodes
+
+
+def compute_targets(ro: Dict[str, torch.Tensor], next_value, args: Args, reward_normalizer: RewardNormalizer):
+    """After a rollout, in its rows of B: the rewards trained on (raw_rewards keeps the env's), V_hat = GAE advantages
+    + V (the value and aux targets) and the advantages normalised over the rollout. Returns V's explained variance."""
+    rewards = ro["raw_rewards"]
+    if args.norm_reward:  # once per rollout: update the return statistics, then scale
+        rewards = torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ro["ended"].cpu().numpy()))
+    ro["rewards"].copy_(rewards)
+    # GAE with the value network's predictions
+    advantages, returns = compute_gae(ro["rewards"], ro["values"], ro["ended"], next_value, args.gamma, args.gae_lambda)
+    ro["returns"].copy_(returns)
+    ro["advantages"].copy_(normalise_advantages(advantages))
+    var_y = global_moments(returns)[2]
+    return 1 - global_moments(returns - ro["values"])[2] / var_y if var_y else math.nan
 
 
 def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, plan: Plan) -> Dict:
@@ -987,25 +1004,12 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
                     next_obs, global_step, next_value, episodes = collect_rollout(
                         agent, envs, next_obs, ro, global_step
                     )
-                    rewards = ro["raw_rewards"]
-                    if args.norm_reward:  # once per rollout: update the return statistics, then scale
-                        rewards = torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ro["ended"].cpu().numpy()))
-                    ro["rewards"].copy_(rewards)
-                    # GAE with the value network's predictions; the targets V_hat = V + A, kept in B for the aux phase
-                    advantages, returns = compute_gae(
-                        ro["rewards"], ro["values"], ro["ended"], next_value, args.gamma, args.gae_lambda
-                    )
-                    ro["returns"].copy_(returns)
+                    explained_variance = compute_targets(ro, next_value, args, reward_normalizer)  # V_hat, A
                 log.episodes(episodes)
                 with timed("policy_update"):
-                    ro["advantages"].copy_(normalise_advantages(advantages))
-                    batch = {k: v.flatten(0, 1) for k, v in ro.items()}
+                    batch = {k: v.flatten(0, 1) for k, v in ro.items()}  # the rollout's states
                     stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
-
-                var_y = global_moments(returns)[2]
-                stats["explained_variance"] = (
-                    1 - global_moments(returns - ro["values"])[2] / var_y if var_y else math.nan
-                )
+                stats["explained_variance"] = explained_variance
                 log.scalars("charts/", dict(learning_rate=policy_optimizer.param_groups[0]["lr"]), global_step)
                 eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, SPENT)
                 progress = f"phase {phase}/{num_phases} iter {iteration}/{plan.num_iterations}"
