@@ -61,6 +61,7 @@ def load_script(name: str):
     if name not in _modules:
         spec = importlib.util.spec_from_file_location(pathlib.Path(name).stem, ROOT / name)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # so that inspect (tyro's help text) finds its source
         spec.loader.exec_module(module)
         _modules[name] = module
     return _modules[name]

@@ -28,8 +28,8 @@ from conftest import (
     run_script,
 )
 
-# 6 rollouts of 64 steps in 3 phases of N_pi = 2: long enough to be stopped between checkpoints.
-LONG = ["--total-timesteps", "384"]
+# 4 rollouts of 64 steps in 2 phases of N_pi = 2: long enough to be stopped between its two checkpoints.
+LONG = ["--total-timesteps", "256"]
 
 
 def start(name, cwd, *flags):
@@ -55,30 +55,31 @@ def wait_for_checkpoint(proc, cwd, timeout=120) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path):
+def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monkeypatch, capsys):
     proc = start(name, tmp_path)
     checkpoint = wait_for_checkpoint(proc, tmp_path)
-    proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 1 or 2 of 3, however fast the machine)
-    assert load_script(name).load_checkpoint(str(checkpoint))["phase"] < 3
+    proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 2 of 2, however fast the machine)
+    assert load_script(name).load_checkpoint(str(checkpoint))["phase"] < 2
     proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
-    done = run_script(name, "--resume", str(checkpoint.parent), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout
+    main_in_process(
+        load_script(name), ["--resume", str(checkpoint.parent)], tmp_path, monkeypatch
+    )  # no need of a process
+    assert "resumed from" in capsys.readouterr().out
     state = load_script(name).load_checkpoint(str(checkpoint))
-    assert state["global_step"] == 384 and state["phase"] == 3
+    assert state["global_step"] == 256 and state["phase"] == 2
     # the stopped run's steps after its checkpoint are purged: each rollout is logged exactly once
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(checkpoint.parent), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("losses/policy_loss")] == list(range(64, 385, 64))
+    assert [e.step for e in acc.Scalars("losses/policy_loss")] == list(range(64, 257, 64))
     assert len(list(checkpoint.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
     assert len(acc.Tensors("hyperparameters/text_summary")) == 1  # the flags were written once, not again on resume
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", ["ppg_procgen.py"])  # ppg_atari.py's: test_distributed's SIGTERM to one worker
 def test_sigterm_stops_at_a_rollout_boundary_with_the_resume_command(name, tmp_path):
     proc = start(name, tmp_path, "--total-timesteps", str(10**6))  # far too long to finish before the signal
     checkpoint = wait_for_checkpoint(proc, tmp_path)
