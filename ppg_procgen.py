@@ -95,7 +95,7 @@ class Args:
 
     # Phasic Policy Gradient
 
-    # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the PPO baseline)
+    # `dual`: separate policy and value networks; `detach`: one trunk, value head on detached features; `shared`: value head on the trunk (with --e-aux 0 --e-pi 3 --e-v 3: the paper's PPO baseline)
     arch: Literal["dual", "detach", "shared"] = "dual"
     n_pi: int = 32  # N_pi: policy-phase iterations (rollouts) per phase
     e_pi: int = 1  # E_pi: epochs of the PPO policy loss on each rollout
@@ -266,7 +266,8 @@ def evaluate(agent: "PPGAgent", args: Args, device: torch.device) -> Dict[str, f
     envs, returns = ProcgenVecEnv(args, args.num_envs, num_levels=0, start_level=0, seed=seed), {}
     obs = envs.reset()
     while len(returns) < envs.num_envs:
-        actions = torch.distributions.Categorical(logits=agent.logits(torch.from_numpy(obs).to(device))).sample()
+        logits = agent.logits(torch.from_numpy(obs).to(device))
+        actions = torch.distributions.Categorical(logits=logits, validate_args=False).sample()
         obs, _, _, finished = envs.step(actions.cpu().numpy())
         returns.update({i: ep_return for i, ep_return, _ in finished if i not in returns})  # each env's first episode
     envs.close()
@@ -593,7 +594,7 @@ def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str,
     for t in range(ro["obs"].shape[1]):
         ro["obs"][:, t] = next_obs
         out = agent(next_obs)
-        pi = torch.distributions.Categorical(logits=out.logits)
+        pi = torch.distributions.Categorical(logits=out.logits, validate_args=False)  # no host sync to validate
         action = pi.sample()
         ro["actions"][:, t], ro["logprobs"][:, t], ro["values"][:, t] = action, pi.log_prob(action), out.value
         obs, reward, done, finished = envs.step(action.cpu().numpy())

@@ -77,7 +77,9 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
         if video_dir:
             frames.append(obs[0] if obs.shape[-1] == 3 else obs[0, :, :, -1])
         logits = agent.logits(torch.from_numpy(obs).to(device))
-        obs, _, _, finished = envs.step(torch.distributions.Categorical(logits=logits).sample().cpu().numpy())
+        obs, _, _, finished = envs.step(
+            torch.distributions.Categorical(logits=logits, validate_args=False).sample().cpu().numpy()
+        )
         for i, ep_return, _ in finished:
             if len(returns[i]) < quota[i]:
                 returns[i].append(ep_return)
