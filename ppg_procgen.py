@@ -644,17 +644,13 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     """Snapshot pi_old into the buffers, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories
     (V_hat, the returns, stays fixed). Stops after an epoch whose mean KL(pi_old || pi), measured apart from the
     loss as guard_kl, exceeds --aux-kl-stop (the seed's KL guard). Returns each epoch's means."""
-    chunk, epochs, rows = (
-        args.micro_batch_size or args.aux_mb_trajectories * args.num_steps,
-        [],
-        buffers["obs"].shape[0],
-    )
+    chunk, epochs, obs = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps, [], buffers["obs"]
     with timed("snapshot"):
-        buffers["pi_old_logits"].copy_(snapshot_policy(agent, buffers["obs"], chunk))
+        buffers["pi_old_logits"].copy_(snapshot_policy(agent, obs, chunk))
     with timed("aux_epochs"):
         for _ in range(args.e_aux):
             logs = defaultdict(list)
-            for traj in torch.randperm(rows, device=buffers["obs"].device).split(args.aux_mb_trajectories):
+            for traj in torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories):
                 mb = {k: v[traj].flatten(0, 1) for k, v in buffers.items()}  # whole trajectories: row blocks of B
 
                 def loss_fn(part: slice):

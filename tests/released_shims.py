@@ -1,0 +1,213 @@
+"""What tests/test_released_code.py needs to run the authors' released code (openai/phasic-policy-gradient) in this
+process: where it is, a single-process stand-in for mpi4py to import it with, its model built as its train.py builds
+it, the map from our PPGAgent's parameters to its PhasicValueModel's, and an optimizer that records each step's
+gradients. Nothing of the released code is copied here: it is imported from its own folder."""
+
+import contextlib
+import math
+import os
+import pathlib
+import sys
+import types
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV_VAR = "PPG_RELEASED_CODE"
+DEFAULT_PATH = ROOT.parent / "shared" / "reference" / "phasic-policy-gradient"
+
+
+def released_root():
+    """(folder of the released repository or None, why not)."""
+    given = os.environ.get(ENV_VAR)
+    if given:
+        path = pathlib.Path(given)
+        if (path / "phasic_policy_gradient" / "ppg.py").is_file():
+            return path, ""
+        return None, f"{ENV_VAR}={given} holds no phasic_policy_gradient/ppg.py"
+    if (DEFAULT_PATH / "phasic_policy_gradient" / "ppg.py").is_file():
+        return DEFAULT_PATH, ""
+    return None, (
+        f"the authors' released code is not here: set {ENV_VAR} to a clone of "
+        "github.com/openai/phasic-policy-gradient (or place it at ../shared/reference/phasic-policy-gradient)"
+    )
+
+
+class SingleProcessComm:
+    """MPI.COMM_WORLD of a run with one process: rank 0 of 1; every reduction is the identity."""
+
+    rank, size = 0, 1
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def Allreduce(self, src, dst, op=None):
+        np.copyto(dst, src)
+
+    def allgather(self, x):
+        return [x]
+
+    def gather(self, x, root=0):
+        return [x]
+
+    def bcast(self, x, root=0):
+        return x
+
+    def Bcast(self, buf, root=0):
+        pass
+
+    def Barrier(self):
+        pass
+
+
+def mpi4py_stand_in() -> types.ModuleType:
+    module = types.ModuleType("mpi4py")
+    module.MPI = types.SimpleNamespace(Comm=SingleProcessComm, COMM_WORLD=SingleProcessComm(), SUM="sum")
+    return module
+
+
+@contextlib.contextmanager
+def _importable(root: pathlib.Path):
+    """The released package on sys.path and the mpi4py stand-in in sys.modules, for the import alone: its modules
+    keep the names they bound, and no other test sees either."""
+    added = "mpi4py" not in sys.modules
+    if added:
+        sys.modules["mpi4py"] = mpi4py_stand_in()
+    sys.path.insert(0, str(root))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(root))
+        if added:
+            del sys.modules["mpi4py"]
+
+
+_loaded = {}
+
+
+def load_released(root: pathlib.Path) -> types.SimpleNamespace:
+    """The released modules, imported once: ppg, ppo, torch_util (tu), reward_normalizer, train, logger, gym3's types."""
+    if root not in _loaded:
+        with _importable(root):
+            import gym3.types
+
+            from phasic_policy_gradient import logger, ppg, ppo, reward_normalizer, train
+            from phasic_policy_gradient import torch_util as tu
+            from phasic_policy_gradient.impala_cnn import ImpalaEncoder
+        tu.DEFAULT_DEVICE = torch.device("cpu")  # the tests' device, whatever GPU the machine has
+        tu.register_distributions_for_tree_util()  # as its train.py does: aux_train slices Categorical pi_old
+        _loaded[root] = types.SimpleNamespace(
+            ppg=ppg,
+            ppo=ppo,
+            tu=tu,
+            reward_normalizer=reward_normalizer,
+            train=train,
+            logger=logger,
+            ImpalaEncoder=ImpalaEncoder,
+            gym3_types=gym3.types,
+        )
+    rel = _loaded[root]
+    fresh_logger(rel)
+    return rel
+
+
+def fresh_logger(rel) -> None:
+    """An empty logger (no output files) for the released code's logkv calls, whose values a test may read."""
+    rel.logger.Logger.CURRENT = rel.logger.Logger(dir=None, output_formats=[], comm=None)
+
+
+def released_model(rel, arch: str, obs_shape, num_actions: int) -> nn.Module:
+    """PhasicValueModel as the released train.py builds it: IMPALA encoders (16, 32, 32) -> 256, discrete actions."""
+    types_ = rel.gym3_types
+    obtype = types_.TensorType(eltype=types_.Discrete(256), shape=tuple(obs_shape))
+    actype = types_.TensorType(eltype=types_.Discrete(num_actions), shape=())
+
+    def enc_fn(ob_type):
+        return rel.ImpalaEncoder(ob_type.shape, outsize=256, chans=(16, 32, 32))
+
+    return rel.ppg.PhasicValueModel(obtype, actype, enc_fn, arch=arch)
+
+
+def layer_map(agent: nn.Module) -> dict:
+    """Our Procgen PPGAgent's layers -> the released PhasicValueModel's layers of the same role."""
+    vf_key = {"dual": "vf", "detach": "pi", "shared": "pi"}[agent.arch]
+    trunks = [("pi_trunk", "pi_enc")] + ([("v_trunk", "vf_enc")] if agent.arch == "dual" else [])
+    layers = dict(pi_head="pi_head", aux_value_head="aux_vf_head", value_head=f"{vf_key}_vhead")
+    for ours, theirs in trunks:
+        stack, block = -1, 0
+        for i, layer in enumerate(getattr(agent, ours).convs):
+            if isinstance(layer, nn.Conv2d):  # each stack's first conv; the max-pool has no parameters
+                stack, block = stack + 1, 0
+                layers[f"{ours}.convs.{i}"] = f"{theirs}.cnn.stacks.{stack}.firstconv"
+            elif hasattr(layer, "conv0"):  # a residual block
+                for conv in ("conv0", "conv1"):
+                    layers[f"{ours}.convs.{i}.{conv}"] = f"{theirs}.cnn.stacks.{stack}.blocks.{block}.{conv}"
+                block += 1
+        layers[f"{ours}.dense"] = f"{theirs}.cnn.dense"
+    return layers
+
+
+def parameter_map(agent: nn.Module) -> dict:
+    """Our parameter names -> the released model's, for Procgen's PPGAgent."""
+    return {f"{o}.{p}": f"{t}.{p}" for o, t in layer_map(agent).items() for p in ("weight", "bias")}
+
+
+def copy_weights(agent: nn.Module, model: nn.Module, names: dict) -> None:
+    """The released model takes our agent's weights, every one of its parameters exactly once (strict)."""
+    ours = agent.state_dict()
+    model.load_state_dict({names[k]: v.clone() for k, v in ours.items()}, strict=True)
+
+
+def adapter_class(rel):
+    """The released PhasicModel interface around one of our agents (Atari's): what the released losses and loops
+    call, (B, T, ...) in and out, with the released aux losses. For the update loops of a script whose network the
+    released code has not (Nature CNN): the loops and losses are the released ones, the network ours."""
+
+    class Adapter(rel.ppg.PhasicModel):
+        def __init__(self, agent):
+            super().__init__()
+            self.agent = agent
+
+        def forward(self, ob, first, state_in):
+            b, t = ob.shape[:2]
+            out = self.agent(ob.reshape(b * t, *ob.shape[2:]))
+            aux = dict(vpredaux=out.aux_value.view(b, t), vpredtrue=out.value.view(b, t))
+            return torch.distributions.Categorical(logits=out.logits.view(b, t, -1)), aux["vpredtrue"], aux, state_in
+
+        def compute_aux_loss(self, aux, seg):
+            return rel.ppg.PhasicValueModel.compute_aux_loss(self, aux, seg)
+
+        def initial_state(self, batchsize):
+            return torch.zeros(batchsize, 0)
+
+        def aux_keys(self):
+            return ["vtarg"]
+
+    return Adapter
+
+
+class RecordingAdam(torch.optim.Adam):
+    """Adam that keeps a copy of every parameter's gradient as each step() finds it: the gradient a loop used,
+    however it clears .grad afterwards."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.grads = []
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.grads.append({p: p.grad.detach().clone() for p in params if p.grad is not None})
+        return super().step(closure)
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """max |ours - theirs| / max |theirs|: the worst element's error on the tensor's own scale (0 if both are 0)."""
+    ours, theirs = ours.double(), theirs.double()
+    scale = theirs.abs().max().item()
+    diff = (ours - theirs).abs().max().item()
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
