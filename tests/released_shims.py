@@ -1,7 +1,7 @@
 """What tests/test_released_code.py needs to run the authors' released code (openai/phasic-policy-gradient) in this
 process: where it is, a single-process stand-in for mpi4py to import it with, its model built as its train.py builds
-it, the map from our PPGAgent's parameters to its PhasicValueModel's, and an optimizer that records each step's
-gradients. Nothing of the released code is copied here: it is imported from its own folder."""
+it (or around one of our trunks), the map from our PPGAgent's parameters to its PhasicValueModel's, and an optimizer
+that records each step's gradients. Nothing of the released code is copied here: it is imported from its own folder."""
 
 import contextlib
 import math
@@ -91,14 +91,14 @@ _loaded = {}
 
 
 def load_released(root: pathlib.Path) -> types.SimpleNamespace:
-    """The released modules, imported once: ppg, ppo, torch_util (tu), reward_normalizer, train, logger, gym3's types."""
+    """The released modules, imported once: ppg, ppo, torch_util (tu), reward_normalizer, train, logger, impala_cnn,
+    and gym3's types."""
     if root not in _loaded:
         with _importable(root):
             import gym3.types
 
-            from phasic_policy_gradient import logger, ppg, ppo, reward_normalizer, train
+            from phasic_policy_gradient import impala_cnn, logger, ppg, ppo, reward_normalizer, train
             from phasic_policy_gradient import torch_util as tu
-            from phasic_policy_gradient.impala_cnn import ImpalaEncoder
         tu.DEFAULT_DEVICE = torch.device("cpu")  # the tests' device, whatever GPU the machine has
         tu.register_distributions_for_tree_util()  # as its train.py does: aux_train slices Categorical pi_old
         _loaded[root] = types.SimpleNamespace(
@@ -108,7 +108,8 @@ def load_released(root: pathlib.Path) -> types.SimpleNamespace:
             reward_normalizer=reward_normalizer,
             train=train,
             logger=logger,
-            ImpalaEncoder=ImpalaEncoder,
+            impala_cnn=impala_cnn,
+            ImpalaEncoder=impala_cnn.ImpalaEncoder,
             gym3_types=gym3.types,
         )
     rel = _loaded[root]
@@ -121,24 +122,49 @@ def fresh_logger(rel) -> None:
     rel.logger.Logger.CURRENT = rel.logger.Logger(dir=None, output_formats=[], comm=None)
 
 
-def released_model(rel, arch: str, obs_shape, num_actions: int) -> nn.Module:
-    """PhasicValueModel as the released train.py builds it: IMPALA encoders (16, 32, 32) -> 256, discrete actions."""
+def released_model(rel, arch: str, obs_shape, num_actions: int, trunk=None) -> nn.Module:
+    """PhasicValueModel as the released train.py builds it: IMPALA encoders (16, 32, 32) -> 256, discrete actions.
+    trunk: instead of IMPALA, one of our trunk classes (Atari's Nature CNN, which the released code lacks) in the
+    released Encoder interface: the released heads, arch wiring, losses and loops around our trunk."""
     types_ = rel.gym3_types
     obtype = types_.TensorType(eltype=types_.Discrete(256), shape=tuple(obs_shape))
     actype = types_.TensorType(eltype=types_.Discrete(num_actions), shape=())
 
+    class TrunkEncoder(rel.impala_cnn.Encoder):
+        def __init__(self, ob_type):
+            net = trunk(ob_type.shape)
+            super().__init__(ob_type, types_.TensorType(eltype=types_.Real(), shape=(net.out_features,)))
+            self.trunk = net
+
+        def forward(self, x, first, state_in):
+            b, t = x.shape[:2]
+            return self.trunk(x.reshape(b * t, *x.shape[2:])).view(b, t, -1), state_in
+
+        def initial_state(self, batchsize):
+            return rel.tu.zeros(batchsize, 0)
+
     def enc_fn(ob_type):
+        if trunk is not None:
+            return TrunkEncoder(ob_type)
         return rel.ImpalaEncoder(ob_type.shape, outsize=256, chans=(16, 32, 32))
 
     return rel.ppg.PhasicValueModel(obtype, actype, enc_fn, arch=arch)
 
 
+def _trunks(arch: str):
+    """(our trunk, the released encoder) pairs of an arch."""
+    return [("pi_trunk", "pi_enc")] + ([("v_trunk", "vf_enc")] if arch == "dual" else [])
+
+
+def _heads(arch: str) -> dict:
+    vf_key = {"dual": "vf", "detach": "pi", "shared": "pi"}[arch]  # the released true value head's encoder
+    return dict(pi_head="pi_head", aux_value_head="aux_vf_head", value_head=f"{vf_key}_vhead")
+
+
 def layer_map(agent: nn.Module) -> dict:
     """Our Procgen PPGAgent's layers -> the released PhasicValueModel's layers of the same role."""
-    vf_key = {"dual": "vf", "detach": "pi", "shared": "pi"}[agent.arch]
-    trunks = [("pi_trunk", "pi_enc")] + ([("v_trunk", "vf_enc")] if agent.arch == "dual" else [])
-    layers = dict(pi_head="pi_head", aux_value_head="aux_vf_head", value_head=f"{vf_key}_vhead")
-    for ours, theirs in trunks:
+    layers = _heads(agent.arch)
+    for ours, theirs in _trunks(agent.arch):
         stack, block = -1, 0
         for i, layer in enumerate(getattr(agent, ours).convs):
             if isinstance(layer, nn.Conv2d):  # each stack's first conv; the max-pool has no parameters
@@ -152,43 +178,21 @@ def layer_map(agent: nn.Module) -> dict:
     return layers
 
 
-def parameter_map(agent: nn.Module) -> dict:
-    """Our parameter names -> the released model's, for Procgen's PPGAgent."""
-    return {f"{o}.{p}": f"{t}.{p}" for o, t in layer_map(agent).items() for p in ("weight", "bias")}
+def parameter_map(agent: nn.Module, impala: bool = True) -> dict:
+    """Our parameter names -> the released model's: Procgen's agent (impala), or one whose trunks sit in the
+    released model as released_model(trunk=...) puts them."""
+    if impala:
+        return {f"{o}.{p}": f"{t}.{p}" for o, t in layer_map(agent).items() for p in ("weight", "bias")}
+    names = {f"{o}.{p}": f"{t}.{p}" for o, t in _heads(agent.arch).items() for p in ("weight", "bias")}
+    for ours, theirs in _trunks(agent.arch):
+        names.update({f"{ours}.{n}": f"{theirs}.trunk.{n}" for n, _ in getattr(agent, ours).named_parameters()})
+    return names
 
 
 def copy_weights(agent: nn.Module, model: nn.Module, names: dict) -> None:
     """The released model takes our agent's weights, every one of its parameters exactly once (strict)."""
     ours = agent.state_dict()
     model.load_state_dict({names[k]: v.clone() for k, v in ours.items()}, strict=True)
-
-
-def adapter_class(rel):
-    """The released PhasicModel interface around one of our agents (Atari's): what the released losses and loops
-    call, (B, T, ...) in and out, with the released aux losses. For the update loops of a script whose network the
-    released code has not (Nature CNN): the loops and losses are the released ones, the network ours."""
-
-    class Adapter(rel.ppg.PhasicModel):
-        def __init__(self, agent):
-            super().__init__()
-            self.agent = agent
-
-        def forward(self, ob, first, state_in):
-            b, t = ob.shape[:2]
-            out = self.agent(ob.reshape(b * t, *ob.shape[2:]))
-            aux = dict(vpredaux=out.aux_value.view(b, t), vpredtrue=out.value.view(b, t))
-            return torch.distributions.Categorical(logits=out.logits.view(b, t, -1)), aux["vpredtrue"], aux, state_in
-
-        def compute_aux_loss(self, aux, seg):
-            return rel.ppg.PhasicValueModel.compute_aux_loss(self, aux, seg)
-
-        def initial_state(self, batchsize):
-            return torch.zeros(batchsize, 0)
-
-        def aux_keys(self):
-            return ["vtarg"]
-
-    return Adapter
 
 
 class RecordingAdam(torch.optim.Adam):
@@ -205,9 +209,10 @@ class RecordingAdam(torch.optim.Adam):
         return super().step(closure)
 
 
-def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    """max |ours - theirs| / max |theirs|: the worst element's error on the tensor's own scale (0 if both are 0)."""
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor, floor: float = 0.0) -> float:
+    """max |ours - theirs| / max(max |theirs|, floor): the worst element's error on the tensor's own scale, or on
+    `floor` where that is smaller (0 if both are 0)."""
     ours, theirs = ours.double(), theirs.double()
-    scale = theirs.abs().max().item()
+    scale = max(theirs.abs().max().item(), floor)
     diff = (ours - theirs).abs().max().item()
     return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
