@@ -367,8 +367,9 @@ class PPGAgent(nn.Module):
         return self.pi_head(self.features(self.pi_trunk, obs))
 
     def policy_parameters(self) -> List[nn.Parameter]:
-        """theta_pi: the policy trunk and its two heads."""
-        return [*self.pi_trunk.parameters(), *self.pi_head.parameters(), *self.aux_value_head.parameters()]
+        """theta_pi: every parameter but theta_V (the policy trunk, its two heads, and any head a hack adds)."""
+        value = {id(p) for p in self.value_parameters()}
+        return [p for p in self.parameters() if id(p) not in value]
 
     def value_parameters(self) -> List[nn.Parameter]:
         """theta_V: the value network (dual) or the value head alone (detach, shared)."""
