@@ -47,10 +47,12 @@ TINY_FLAGS = {
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],
 }
 # The shared run's optional features: a model file; unseen-level evaluation (Procgen's alone) or, on Atari, the
-# reward normaliser (off by default there), so that a resume of the shared run restores a used normaliser.
+# reward normaliser (off by default there), so that a resume of the shared run restores a used normaliser; and a
+# seed near the top of its range, so that the evaluation's, a resumed phase's and tools/evaluate.py's seeds wrap.
+TOP_SEED = 2**31 - 100
 SHARED_EXTRA = {
-    "ppg_procgen.py": ["--save-model", "--num-levels", "10"],
-    "ppg_atari.py": ["--save-model", "--norm-reward"],
+    "ppg_procgen.py": ["--save-model", "--num-levels", "10", "--seed", str(TOP_SEED)],
+    "ppg_atari.py": ["--save-model", "--norm-reward", "--seed", str(TOP_SEED)],
 }
 
 _modules = {}

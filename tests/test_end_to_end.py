@@ -63,8 +63,8 @@ def test_tiny_run(name, tiny_run):
     run = tiny_run(name)
     assert "Traceback" not in run.stderr and "Gym has been unmaintained" not in run.stderr
     check_tiny_run(run.stdout, run.scalars, "fp32")
-    if name == "ppg_procgen.py":
-        assert len(run.scalars["eval/episodic_return"]) == 2  # once per phase
+    if name == "ppg_procgen.py":  # once per phase, on seeds wrapped below 2^31 (the run's seed is 2^31 - 100)
+        assert len(run.scalars["eval/episodic_return"]) == 2
     # --save-model: the final weights, as the last checkpoint holds them, and the flags
     saved = run.run_dir / f"{name[:-3]}.pt"
     model, checkpoint = (torch.load(p, weights_only=True) for p in (saved, saved.with_name("checkpoint.pt")))
