@@ -606,11 +606,11 @@ def step_bytes(num_actions: int) -> int:
 
 def allocate_buffers(args: Args, plan: Plan, num_actions: int, device: torch.device) -> Dict[str, torch.Tensor]:
     """buffer_fields' arrays as rows of whole trajectories, num_envs rows per rollout: slot i of the aux buffer B IS
-    the rollout buffer of iteration i of a phase (written straight into it, at no copy). Every entry is written
-    before it is read, so none is cleared."""
+    the rollout buffer of iteration i of a phase (written straight into it, at no copy). Zeros: a field a hack
+    adds and has not filled yet (pi_old_logits before the first aux phase) reads as 0, never as stale memory."""
     rows = (plan.aux_slots * args.num_envs, args.num_steps)
     fields = buffer_fields(num_actions).items()
-    return {name: torch.empty((*rows, *shape), dtype=dtype, device=device) for name, (shape, dtype) in fields}
+    return {name: torch.zeros((*rows, *shape), dtype=dtype, device=device) for name, (shape, dtype) in fields}
 
 
 @torch.no_grad()
@@ -793,7 +793,9 @@ def load_checkpoint(path: str, flag: str = "--resume") -> Dict:
         )
     if missing := sorted(flags - set(state["args"])):
         state["args"] = dict(state["args"], **{name: getattr(defaults, name) for name in missing})
-        print(f"{path}: written before {', '.join('--' + n.replace('_', '-') for n in missing)}: default values taken")
+        names = ", ".join("--" + name.replace("_", "-") for name in missing)
+        if int(os.environ.get("RANK", 0)) == 0:  # once, not by every torchrun worker
+            print(f"{path}: written before {names}: default values taken")
     return state
 
 
