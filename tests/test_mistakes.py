@@ -253,16 +253,21 @@ def test_a_second_signal_stops_at_once():
             signal.signal(s, h)
 
 
-def test_a_signal_during_the_last_rollout_lets_the_run_finish(script, tmp_path, monkeypatch, capfd):
-    """The run is one update from done: it finishes, writes its final checkpoint and exits normally."""
+def sigterm_in_rollout(monkeypatch, script, n: int) -> None:
+    """SIGTERM to this process during rollout n (when GAE is computed for it, before its update)."""
     calls = []
 
-    def signal_at_last(*a):
+    def maybe_signal(*a):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == n:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    wrap(monkeypatch, script, "compute_gae", before=signal_at_last)
+    wrap(monkeypatch, script, "compute_gae", before=maybe_signal)
+
+
+def test_a_signal_during_the_last_rollout_lets_the_run_finish(script, tmp_path, monkeypatch, capfd):
+    """The run is one update from done: it finishes, writes its final checkpoint and exits normally."""
+    sigterm_in_rollout(monkeypatch, script, 3)  # the last of 3
     main_in_process(script, tiny(script, "--save-model"), tmp_path, monkeypatch)
     out = capfd.readouterr().out
     assert "SIGTERM came during the last rollout: the run finished" in out and "stopped by" not in out
@@ -284,14 +289,7 @@ def test_anneal_lr_survives_a_stop_and_a_raised_budget(tmp_path, monkeypatch, ca
             name,
             before=lambda a, opt, *r, kind=kind: rates[kind].append(opt.param_groups[0]["lr"]),
         )
-    gae_calls = []
-
-    def stop_in_rollout_3(*a):
-        gae_calls.append(1)
-        if len(gae_calls) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    wrap(monkeypatch, script, "compute_gae", before=stop_in_rollout_3)
+    sigterm_in_rollout(monkeypatch, script, 3)
     got = {"policy": [], "aux": []}
 
     def take():
