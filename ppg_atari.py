@@ -87,10 +87,10 @@ class Args:
     aux_mb_trajectories: int = 4  # whole --num-steps trajectories per aux minibatch of each worker (4 x 128 states)
     # stop the auxiliary phase after an epoch whose mean KL(pi_old || pi) exceeds this (0 disables); the guard measures it apart from the clone loss
     aux_kl_stop: float = 0.02
-    # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured: 256 on a CPU, whole minibatches on a GPU)
+    # forward/backward a minibatch in chunks of this many states: the same update, with peak memory growing with the chunk (0 = whole minibatches; None = the fastest measured where the run starts: 256 on a CPU, whole minibatches on a GPU)
     micro_batch_size: Optional[int] = None
-    # `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (docs/benchmarks.md says what is known of how it learns). `fp32` turns TF32 off on GPUs, so it means fp32 everywhere
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # `fp32`: fp32 everywhere (TF32 off on GPUs). `tf32`: fp32 weights and optimiser, TF32 matmuls and convolutions on GPUs (a CPU has no TF32: plain fp32, with a printed note). `bf16`: autocast of the trunks, 1.6-2.3x faster on CPUs with AVX512-BF16; weights, optimiser and loss math stay fp32 (docs/benchmarks.md says what is known of how it learns)
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
 
 # ==== 2. Plan: validate the flags and derive every count once =========================================================
@@ -171,22 +171,29 @@ CPU_MICRO_BATCH = 256  # the chunk that ran fastest on a CPU (tools/benchmark.py
 ACTIVATION_BYTES_PER_TRUNK_STATE, PROCESS_BYTES = 400_000, 512 * 2**20
 
 
-def pick_device(args: Args) -> Tuple[Args, torch.device]:
-    """This worker's device (worker i takes GPU i mod GPUs), and Args with --micro-batch-size made concrete."""
+def pick_device(args: Args) -> torch.device:
+    """This worker's device (worker i takes GPU i mod GPUs), with TF32 on or off as --precision says."""
     gpus = torch.cuda.device_count() if args.cuda and torch.cuda.is_available() else 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)  # where nccl reduces
         # fp32 means fp32: PyTorch runs cuDNN convolutions in TF32 by default on Ampere and later GPUs
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision != "fp32"
-    chunk = (0 if gpus else CPU_MICRO_BATCH) if args.micro_batch_size is None else args.micro_batch_size
-    return dataclasses.replace(args, micro_batch_size=chunk), device
+    return device
+
+
+def micro_batch(args: Args, device: torch.device) -> int:
+    """The chunk size on this device. A checkpoint keeps --micro-batch-size as given, so a run moved between a CPU
+    and a GPU takes, at each start, the chunk that is fastest where it runs."""
+    if args.micro_batch_size is not None:
+        return args.micro_batch_size
+    return 0 if device.type == "cuda" else CPU_MICRO_BATCH
 
 
 def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
     """(bytes this machine's workers need: buffers, a chunk's activations, the process; bytes free or -1), or ArgError."""
     minibatch = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)  # states gathered at once
-    chunk = min(args.micro_batch_size or math.inf, minibatch)
+    chunk = min(micro_batch(args, device) or math.inf, minibatch)
     buffers = plan.buffer_bytes + minibatch * step_bytes(NUM_ACTIONS)  # the buffers, and one minibatch's copy
     allowance = PROCESS_BYTES + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1)
     workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its memory
@@ -487,17 +494,17 @@ def aux_joint_loss(aux_values, returns, old_logits, new_logits, beta_clone: floa
     return l_aux + beta_clone * l_clone, l_aux, l_clone
 
 
-def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, epoch: int):
-    """The policy phase's loss on a minibatch (one backward, as in the released code): PPO's clipped surrogate and
-    entropy bonus in the first E_pi epochs, the value loss in the first E_V. Returns (loss, statistics to log)."""
+def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
+    """The policy phase's loss on a minibatch: PPO's clipped surrogate and entropy bonus (`policy`) and the value loss
+    (`value`), as policy_phase_update's epoch asks. Returns (loss, statistics to log)."""
     loss, stats = 0.0, {}
-    if epoch < args.e_pi:
+    if "policy" in terms:
         pg_loss, entropy, approx_kl, clipfrac = ppo_policy_loss(
             out.logits, mb["actions"], mb["logprobs"], mb["advantages"], args.clip_coef
         )
         loss = loss + pg_loss - args.ent_coef * entropy
         stats.update(policy_loss=pg_loss, entropy=entropy, approx_kl=approx_kl, clipfrac=clipfrac)
-    if epoch < args.e_v:
+    if "value" in terms:
         stats["value_loss"] = value_loss(out.value, mb["returns"])
         loss = loss + stats["value_loss"]
     return loss, stats
@@ -550,7 +557,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad
     never rescales the other's update); then the gradients are dropped, as both optimizers share the parameters' .grad.
     A non-finite gradient, averaged, is seen by every worker at once: all stop, naming this worker's bad losses."""
     average_gradients(agent.parameters())
-    if not torch.isfinite(sum(p.grad.norm() for p in agent.parameters() if p.grad is not None)):
+    # Any NaN or inf makes the L1 norm non-finite; one foreach pass (not a kernel a tensor) and one wait a step
+    if not torch.isfinite(nn.utils.get_total_norm([p.grad for p in agent.parameters() if p.grad is not None], 1.0)):
         bad = ", ".join(k for k, v in stats.items() if not torch.isfinite(v)) or "losses finite on this worker"
         raise NonFiniteError(f"non-finite gradient ({bad})")
     if max_grad_norm > 0:
@@ -571,15 +579,29 @@ def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> to
 
 # ==== 6. The two phases ===============================================================================================
 SPENT: Dict[str, float] = defaultdict(float)  # seconds spent by part of the run, and aux phases run (checkpointed)
+PENDING: List[Tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # GPU-timed parts not yet added to SPENT
 
 
 @contextlib.contextmanager
-def timed(part: str):
-    t0 = time.perf_counter()
+def timed(part: str, wait: bool = True):
+    """Adds the seconds spent in `part` to SPENT. On a GPU, the time between two CUDA events: the work, not its
+    launch. A part that waits (once per rollout or phase) adds every part timed since; grad_allreduce, timed at each
+    optimizer step, does not wait."""
+    if not torch.cuda.is_initialized():
+        t0 = time.perf_counter()
+        yield
+        SPENT[part] += time.perf_counter() - t0
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     yield
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # time the work, not its launch
-    SPENT[part] += time.perf_counter() - t0
+    end.record()
+    PENDING.append((part, start, end))
+    if wait:
+        end.synchronize()
+        for name, a, b in PENDING:
+            SPENT[name] += a.elapsed_time(b) / 1000
+        PENDING.clear()
 
 
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -618,52 +640,66 @@ def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str,
     """num_steps steps of every env into ro, this rollout's rows of the buffers (frames as uint8). Returns the next
     obs, global step and value (GAE's bootstrap), and the finished episodes' (step, return, length)."""
     episodes, workers = [], dist.get_world_size() if dist.is_initialized() else 1
+    rewards, ended = np.zeros(ro["raw_rewards"].shape, np.float32), np.zeros(ro["ended"].shape, bool)  # on the host
     for t in range(ro["obs"].shape[1]):
         ro["obs"][:, t] = next_obs
         out = agent(next_obs)
         pi = torch.distributions.Categorical(logits=out.logits, validate_args=False)  # no host sync to validate
         action = pi.sample()
         ro["actions"][:, t], ro["logprobs"][:, t], ro["values"][:, t] = action, pi.log_prob(action), out.value
-        obs, reward, done, finished = envs.step(action.cpu().numpy())
-        ro["raw_rewards"][:, t], ro["ended"][:, t] = torch.from_numpy(reward), torch.from_numpy(done)
-        next_obs = torch.from_numpy(obs).to(next_obs.device)
+        obs, rewards[:, t], ended[:, t], finished = envs.step(action.cpu().numpy())  # the step's one wait
+        next_obs = to_device(obs, next_obs.device)
         step += envs.num_envs * workers  # the workers step in lockstep
         episodes += [(step, ep_return, length) for _, ep_return, length in finished]
+    ro["raw_rewards"].copy_(torch.from_numpy(rewards)), ro["ended"].copy_(torch.from_numpy(ended))  # moved once
     return next_obs, step, agent(next_obs).value, episodes
+
+
+def to_device(frames: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint8 frames onto the device; on a GPU through pinned memory, without a wait (the copy is queued before the
+    kernels that read it, and PyTorch keeps the pinned block until it is done)."""
+    frames = torch.from_numpy(frames)
+    return frames.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else frames
 
 
 def compute_targets(ro: Dict[str, torch.Tensor], next_value, args: Args, reward_normalizer: RewardNormalizer):
     """After a rollout, in its rows of B: the rewards trained on (raw_rewards keeps the env's), V_hat = GAE advantages
-    + V (the value and aux targets) and the advantages normalised over the rollout. Returns V's explained variance."""
-    rewards = ro["raw_rewards"]
+    + V (the value and aux targets) and the advantages normalised over the rollout. Returns V's explained variance.
+    On the host: GAE is num_steps tiny steps (on a GPU, thousands of kernel launches); one copy each way."""
+    raw, ended, values = ro["raw_rewards"].cpu(), ro["ended"].cpu(), ro["values"].cpu()
+    rewards = raw
     if args.norm_reward:  # once per rollout: update the return statistics, then scale
-        rewards = torch.from_numpy(reward_normalizer(rewards.cpu().numpy(), ro["ended"].cpu().numpy()))
-    ro["rewards"].copy_(rewards)
+        rewards = torch.from_numpy(reward_normalizer(raw.numpy(), ended.numpy()))
     # GAE with the value network's predictions
-    advantages, returns = compute_gae(ro["rewards"], ro["values"], ro["ended"], next_value, args.gamma, args.gae_lambda)
-    ro["returns"].copy_(returns)
-    ro["advantages"].copy_(normalise_advantages(advantages))
+    advantages, returns = compute_gae(rewards, values, ended, next_value.cpu(), args.gamma, args.gae_lambda)
+    for k, v in dict(rewards=rewards, returns=returns, advantages=normalise_advantages(advantages)).items():
+        ro[k].copy_(v)
     var_y = global_moments(returns)[2]
-    return 1 - global_moments(returns - ro["values"])[2] / var_y if var_y else math.nan
+    return 1 - global_moments(returns - values)[2] / var_y if var_y else math.nan
 
 
-def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, plan: Plan) -> Dict:
-    """max(E_pi, E_V) epochs of policy_phase_loss over shuffled minibatches of one rollout's states (batch: each
-    buffer's rows of the rollout, flattened). For dual and detach the PPO and value losses touch disjoint parameters,
-    so one backward equals two separate loops; the aux value head gets no gradient. Returns means of all minibatches."""
+def policy_phase_update(agent: PPGAgent, optimizer, batch, args: Args, plan: Plan, value_optimizer=None) -> Dict:
+    """E_pi epochs of PPO's loss and E_V of the value loss over shuffled minibatches of one rollout's states (batch:
+    each buffer's rows of the rollout, flattened); the aux value head gets no gradient. As in the released code: with
+    E_pi == E_V one backward a minibatch carries both losses; otherwise the E_V value epochs run first, with an Adam
+    of their own (value_optimizer), then the E_pi policy epochs. Returns each statistic's mean over its minibatches."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
-    for epoch in range(max(args.e_pi, args.e_v)):
-        for idx in torch.randperm(n, device=batch["obs"].device).split(plan.minibatch_size):
-            mb = {k: v[idx] for k, v in batch.items()}
+    epochs = [(("policy", "value"), args.e_pi, optimizer)]
+    if args.e_pi != args.e_v:
+        epochs = [(("value",), args.e_v, value_optimizer or optimizer), (("policy",), args.e_pi, optimizer)]
+    for terms, count, opt in epochs:
+        for _ in range(count):
+            for idx in torch.randperm(n, device=batch["obs"].device).split(plan.minibatch_size):
+                mb = {k: v[idx] for k, v in batch.items()}
 
-            def loss_fn(part: slice):
-                chunk = {k: v[part] for k, v in mb.items()}
-                return policy_phase_loss(agent(chunk["obs"]), chunk, args, epoch)
+                def loss_fn(part: slice):
+                    chunk = {k: v[part] for k, v in mb.items()}
+                    return policy_phase_loss(agent(chunk["obs"]), chunk, args, terms)
 
-            stats = accumulate_gradients(idx.shape[0], args.micro_batch_size, loss_fn)
-            optimizer_step(optimizer, agent, args.max_grad_norm, stats)
-            for k, v in stats.items():
-                logs[k].append(v)
+                stats = accumulate_gradients(idx.shape[0], micro_batch(args, idx.device), loss_fn)
+                optimizer_step(opt, agent, args.max_grad_norm, stats)
+                for k, v in stats.items():
+                    logs[k].append(v)
     return mean_over_workers(logs)
 
 
@@ -671,7 +707,8 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     """Snapshot pi_old into the buffers, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories
     (V_hat, the returns, stays fixed). Stops after an epoch whose mean KL(pi_old || pi), measured apart from the
     loss as guard_kl, exceeds --aux-kl-stop (the seed's KL guard). Returns each epoch's means."""
-    chunk, epochs, obs = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps, [], buffers["obs"]
+    epochs, obs = [], buffers["obs"]
+    chunk = micro_batch(args, obs.device) or args.aux_mb_trajectories * args.num_steps
     with timed("snapshot"):
         buffers["pi_old_logits"].copy_(snapshot_policy(agent, obs, chunk))
     with timed("aux_epochs"):
@@ -703,13 +740,16 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
 # Each worker steps its own envs into its own buffers; the update sees them all: gradients averaged before every
 # optimizer step, advantages and reward scale from moments over all workers, statistics (so the KL guard) averaged.
 # Without torchrun each function here is the identity.
+NCCL: List = []  # under torchrun: the nccl process group, where every worker has a GPU of its own
+
+
 def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """x summed, averaged (`mean`) or maximised (`max`) over the workers, as a new tensor on x's device."""
+    """x summed, averaged (`mean`) or maximised (`max`) over the workers, on x's device (x may be reduced in place)."""
     if not dist.is_initialized():
         return x
-    y = x.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)  # nccl reduces on GPUs, gloo on CPUs
-    dist.all_reduce(y, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return (y / dist.get_world_size() if op == "mean" else y).to(x.device)
+    y = x.to("cuda" if NCCL else "cpu")  # nccl reduces on GPUs, gloo on CPUs; no copy where x already is
+    dist.all_reduce(y, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=NCCL[0] if NCCL else None)
+    return (y.div_(dist.get_world_size()) if op == "mean" else y).to(x.device)
 
 
 def global_moments(x: torch.Tensor) -> Tuple[float, float, float]:
@@ -727,7 +767,7 @@ def mean_over_workers(logs: Dict[str, List[torch.Tensor]]) -> Dict[str, float]:
 def average_gradients(parameters) -> None:
     """Each .grad becomes its mean over the workers: the gradient of the whole global minibatch."""
     if dist.is_initialized():
-        with timed("grad_allreduce"):  # the wait for the slowest worker included
+        with timed("grad_allreduce", wait=False):  # the wait for the slowest worker included
             grads = [p.grad for p in parameters if p.grad is not None]  # the same parameters on every worker
             flat = all_reduce(torch.cat([g.flatten() for g in grads]), "mean")
             for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
@@ -744,12 +784,20 @@ def gather(items: list) -> list:
 
 
 def start_workers(device: torch.device, agent: nn.Module) -> None:
-    """Join torchrun's process group (nccl where each worker has a GPU of its own; gloo on CPUs and shared GPUs),
-    then copy rank 0's parameters to every worker. A collective kept waiting 30 minutes fails the run."""
-    nccl = device.type == "cuda" and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
-    dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(minutes=30))
+    """Join torchrun's process group (gloo); reduce through nccl if every worker has a GPU of its own (GPUs told
+    apart by UUID, so a launcher that shows each worker only its own GPU gets nccl too; CPUs and shared GPUs: gloo).
+    Then copy rank 0's parameters to every worker. A collective kept waiting 30 minutes fails the run."""
+    timeout, NCCL[:] = datetime.timedelta(minutes=30), []
+    dist.init_process_group("gloo", timeout=timeout)
+    if own_gpus(gather([str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None])):
+        NCCL.append(dist.new_group(backend="nccl", timeout=timeout))
     for tensor in agent.state_dict().values():  # broadcast as a sum: rank 0's values plus zeros, exactly rank 0's
         tensor.copy_(all_reduce(tensor if dist.get_rank() == 0 else torch.zeros_like(tensor)))
+
+
+def own_gpus(gpus: List[Optional[str]]) -> bool:
+    """Whether every worker has a GPU (its UUID; None: none) that no other worker uses."""
+    return None not in gpus and len(set(gpus)) == len(gpus)
 
 
 # ==== 8. Runs that survive and report: checkpoints, --resume, stop signals, logs ======================================
@@ -919,8 +967,10 @@ def print_plan(args: Args, plan: Plan, run_name: str, device, workers: int, phas
         f"{aux}{args.aux_mb_trajectories * args.num_steps} states; PPO minibatch {k_x}{plan.minibatch_size} states; "
         f"buffers {k_x}{plan.buffer_bytes / 2**30:.2f} GiB (frames uint8); need about {memory[0] / 2**30:.2f} GiB{free}"
     )
-    chunk = args.micro_batch_size or "whole minibatches of"
-    print(f"precision {args.precision}; forward/backward in chunks of {chunk} states", flush=True)
+    chunk = micro_batch(args, device) or "whole minibatches of"
+    no_tf32 = " (a CPU has no TF32: plain fp32, the arithmetic of --precision fp32)" * (device.type != "cuda")
+    precision = f"{args.precision}{no_tf32 if args.precision == 'tf32' else ''}"
+    print(f"precision {precision}; forward/backward in chunks of {chunk} states", flush=True)
 
 
 def stop_message(signum: int, step: int, saved: Optional[Tuple[int, int]], run_dir: str, workers: int) -> str:
@@ -958,7 +1008,7 @@ def prepare(args: Args, given: Optional[set], workers: int):
         args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
         if ckpt and ckpt.get("workers", 1) != workers:  # else the global batch would change
             raise ArgError(f"--resume: the run had {ckpt.get('workers', 1)} workers; resume it with as many")
-        args, device = pick_device(args)
+        device = pick_device(args)
         plan = make_plan(args, workers)
         return args, ckpt, run_dir, device, plan, check_memory(args, plan, device)
     except ArgError as e:
@@ -991,12 +1041,15 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # Environment (env i is seeded with `seed` + i), networks, the two optimizers
+    # Environment (env i is seeded with `seed` + i), networks, the optimizers
     envs = AtariVecEnv(args, args.num_envs, seed)
     agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions, bf16=args.precision == "bf16").to(device)
-    policy_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # each persists
-    aux_optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # across phases
+    # Adam instances persisting across phases: the policy phase's, the aux phase's, and (as in the released code,
+    # only when E_pi != E_V) one for the value-only epochs
+    optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
+    policy_optimizer, aux_optimizer, value_optimizer = optimizers
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
+    stateful["value_optimizer"] = value_optimizer
     stateful["reward_normalizer"] = reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
 
     # The buffers of buffer_fields: rows of whole trajectories; slot i of the aux buffer B is rollout i of a phase
@@ -1005,8 +1058,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     global_step, aux_epochs_done, phases, saved = 0, 0, [], None  # saved: (phase, step) of the last checkpoint
     SPENT.clear()
     if ckpt:  # --resume: everything the checkpoint holds
-        for name, thing in stateful.items():
-            thing.load_state_dict(ckpt[name])
+        for name, thing in stateful.items():  # (a checkpoint from before value_optimizer existed: a fresh one)
+            thing.load_state_dict(ckpt[name]) if name in ckpt else print(f"--resume: no {name} saved: a fresh one")
         global_step, aux_epochs_done, saved = ckpt["global_step"], ckpt["aux_epochs_done"], (phase, ckpt["global_step"])
         SPENT.update(ckpt["spent"])
         log.recent_returns.extend(ckpt["recent_returns"])
@@ -1014,7 +1067,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     line = rate_line(args, plan, iteration, ckpt.get("rate_line") if ckpt else None)  # --anneal-lr's schedule
     if workers > 1:
         start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
-    stop, next_obs = StopSignal(), torch.from_numpy(envs.reset()).to(device)
+    stop, next_obs = StopSignal(), to_device(envs.reset(), device)
     try:
         while iteration < plan.num_iterations and not stop.agreed():
             phase, phase_start, since, signum = phase + 1, time.time(), dict(SPENT), 0
@@ -1022,8 +1075,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             for i in range(min(args.n_pi, plan.num_iterations - iteration)):
                 iteration, first_row = iteration + 1, i % plan.aux_slots * args.num_envs
                 ro = {k: v[first_row : first_row + args.num_envs] for k, v in buffers.items()}  # its rows of B
-                if args.anneal_lr:  # both optimizers: the aux phase after the phase's last rollout keeps its rate
-                    for group in policy_optimizer.param_groups + aux_optimizer.param_groups:
+                if args.anneal_lr:  # every optimizer: the aux phase after the phase's last rollout keeps its rate
+                    for group in (group for optimizer in optimizers for group in optimizer.param_groups):
                         group["lr"] = annealed_rate(line, iteration)
                 with timed("rollout"):
                     next_obs, global_step, next_value, episodes = collect_rollout(
@@ -1033,7 +1086,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
                 log.episodes(episodes)
                 with timed("policy_update"):
                     batch = {k: v.flatten(0, 1) for k, v in ro.items()}  # the rollout's states
-                    stats = policy_phase_update(agent, policy_optimizer, batch, args, plan)
+                    stats = policy_phase_update(agent, policy_optimizer, batch, args, plan, value_optimizer)
                 stats["explained_variance"] = explained_variance
                 log.scalars("charts/", dict(learning_rate=policy_optimizer.param_groups[0]["lr"]), global_step)
                 eta = eta_seconds(args, plan, iteration, num_phases - phase if args.e_aux else 0, SPENT)

@@ -75,3 +75,25 @@ def test_a_truncated_checkpoint_gets_one_line(tmp_path, tiny_run, monkeypatch, c
         run_tool(monkeypatch, capsys, str(truncated))
     line = str(stopped.value.code)
     assert line.startswith("error") and "truncated" in line and "\n" not in line
+
+
+def test_evaluate_takes_the_device_and_tf32_setting_from_the_script(tmp_path, tiny_run, monkeypatch, capsys):
+    """tools/evaluate.py picks its device with the script's own pick_device and the run's flags, so the policy is
+    evaluated at the run's --precision (fp32: TF32 off on GPUs), not at PyTorch's default TF32 convolutions."""
+    spec = importlib.util.spec_from_file_location("evaluate_tool", ROOT / "tools" / "evaluate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    real_load, calls = tool.load_script, []
+
+    def load_script(name):
+        module = real_load(name)
+        real_pick = module.pick_device
+        module.pick_device = lambda args: calls.append(args) or real_pick(args)
+        return module
+
+    monkeypatch.setattr(tool, "load_script", load_script)
+    run_dir = copy_run(tiny_run("ppg_atari.py"), tmp_path)
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", str(run_dir / "checkpoint.pt"), "--episodes", "1", "--cpu"])
+    tool.main()
+    (args,) = calls
+    assert args.precision == "fp32" and args.cuda is False and "on cpu" in capsys.readouterr().out

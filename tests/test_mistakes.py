@@ -6,11 +6,13 @@ import math
 import os
 import pathlib
 import signal
-from collections import defaultdict
+import sys
+from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from conftest import TINY_FLAGS, copy_run, load_script, main_in_process, random_obs
 
@@ -32,6 +34,36 @@ def wrap(monkeypatch, owner, name, before=None, after=None):
         return result
 
     monkeypatch.setattr(owner, name, wrapped)
+
+
+class DeviceWaits(TorchFunctionMode):
+    """Counts the tensor calls that make the host wait for a GPU (item, bool, tolist, cpu, float, int; numpy is not
+    among them: on a GPU tensor it raises, so its wait is the cpu() before it), each under the function main() called
+    that it came from; those inside torch.optim are left out (Adam reads its step count on the host)."""
+
+    WAITS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.cpu}
+    WAITS |= {torch.Tensor.__float__, torch.Tensor.__int__}
+
+    def __init__(self, script_file: str):
+        super().__init__()
+        self.file, self.counts = script_file, Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.WAITS and (part := self.part()):
+            self.counts[part] += 1
+        return func(*args, **(kwargs or {}))
+
+    def part(self):
+        frame, below = sys._getframe(2), "outside main()"
+        while frame:
+            if "/torch/optim/" in frame.f_code.co_filename:
+                return None
+            if frame.f_code.co_filename == self.file:
+                if frame.f_code.co_name == "main":
+                    return below
+                below = frame.f_code.co_name
+            frame = frame.f_back
+        return "outside main()"
 
 
 RECORDED_EXTRA = {"ppg_procgen.py": ["--num-levels", "10", "--start-level", "5"], "ppg_atari.py": []}
@@ -67,9 +99,26 @@ def recorded(request, tmp_path_factory):
                     (num_levels, start_level, seed)
                 ),
             )
-        main_in_process(script, tiny(script, *RECORDED_EXTRA[request.param]), cwd, mp)
+        wrap(mp, script, "auxiliary_phase", after=lambda epochs, *a: rec["aux_epochs"].append(len(epochs)))
+        with DeviceWaits(script.__file__) as waits:
+            main_in_process(script, tiny(script, *RECORDED_EXTRA[request.param]), cwd, mp)
+        rec["waits"] = waits.counts
     (run,) = (cwd / "runs").iterdir()
     return script, rec, run
+
+
+def test_no_needless_device_waits_in_the_hot_loops(recorded):
+    """Counted from outside the loop on the CPU, calls that would each make the host wait for a GPU: per vector env
+    step only the actions' copy (the env needs them); per optimizer step at most one (the non-finite check), plus one
+    a policy update or aux epoch for its statistics; per rollout a handful (the host-side targets, the stop check)."""
+    _, rec, _ = recorded
+    waits, rollouts, steps = dict(rec["waits"]), len(rec["batches"]), 3 * 32  # 3 rollouts of 32 vector steps
+    print(f"device waits by part of main(): {waits}")
+    assert waits.pop("collect_rollout") == steps
+    updates = rollouts + sum(rec["aux_epochs"])  # policy updates and aux epochs: one mean over minibatches each
+    assert waits.pop("policy_phase_update") + waits.pop("auxiliary_phase", 0) <= len(rec["steps"]) + updates
+    setup = {part: waits.pop(part) for part in ("prepare", "outside main()", "evaluate") if part in waits}
+    assert sum(waits.values()) <= 10 * rollouts, (waits, setup)  # evaluate: its own env loop, once a phase
 
 
 def test_advantages_reach_the_update_normalised_per_rollout(recorded):
@@ -319,7 +368,7 @@ def test_anneal_lr_survives_a_stop_and_a_raised_budget(tmp_path, monkeypatch, ca
 def test_memory_estimate_counts_the_buffers(script):
     """The estimate is the bytes main() allocates (buffer_fields, read by allocate_buffers and the plan alike), one
     minibatch's gathered copy, a chunk's activations and the process: no array is counted by a formula of its own."""
-    args = script.pick_device(script.Args(cuda=False, num_envs=4, num_steps=16, n_pi=3, total_timesteps=10**6))[0]
+    args = script.Args(cuda=False, num_envs=4, num_steps=16, n_pi=3, total_timesteps=10**6)
     plan = script.make_plan(args)
     buffers = script.allocate_buffers(args, plan, script.NUM_ACTIONS, torch.device("cpu"))
     assert sum(b.numel() * b.element_size() for b in buffers.values()) == plan.buffer_bytes
@@ -327,7 +376,7 @@ def test_memory_estimate_counts_the_buffers(script):
     assert all(b.shape[:2] == (12, 16) for b in buffers.values())  # every array: rows of whole trajectories
     needed, _ = script.check_memory(args, plan, torch.device("cpu"))
     minibatch = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)
-    chunk = min(args.micro_batch_size, minibatch) * script.ACTIVATION_BYTES_PER_TRUNK_STATE * 2  # dual: two trunks
+    chunk = min(script.CPU_MICRO_BATCH, minibatch) * script.ACTIVATION_BYTES_PER_TRUNK_STATE * 2  # dual: two trunks
     gathered = minibatch * plan.buffer_bytes // (plan.aux_slots * plan.batch_size)  # one minibatch of every array
     assert needed == plan.buffer_bytes + gathered + script.PROCESS_BYTES + chunk
     assert random_obs(script, 1).dtype == torch.uint8

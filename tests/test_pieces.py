@@ -137,12 +137,36 @@ def test_reward_normalizer_scales_a_rollout_by_statistics_that_include_it(script
     assert np.allclose(out, rewards / np.sqrt(var + 1e-8)) and out[0, 0] == pytest.approx(0.894, abs=1e-3)
 
 
-def test_fp32_is_the_default_and_the_cpu_chunk_is_the_measured_one(script):
-    args, device = script.pick_device(script.Args(cuda=False))
-    assert script.Args().precision == "fp32" and args.precision == "fp32" and device.type == "cpu"
-    assert args.micro_batch_size == script.CPU_MICRO_BATCH  # None: the CPU's measured best
-    args = script.pick_device(script.Args(precision="bf16", micro_batch_size=0, cuda=False))[0]
-    assert args.precision == "bf16" and args.micro_batch_size == 0
+def test_fp32_is_the_default_and_the_chunk_is_resolved_where_the_run_starts(script):
+    """--micro-batch-size None stays None in the flags (so in every checkpoint) and resolves on each device: the
+    CPU's measured best there, whole minibatches on a GPU; a given size is kept everywhere."""
+    args = script.Args(cuda=False)
+    assert script.pick_device(args).type == "cpu" and args.precision == "fp32" and args.micro_batch_size is None
+    assert script.micro_batch(args, torch.device("cpu")) == script.CPU_MICRO_BATCH
+    assert script.micro_batch(args, torch.device("cuda")) == 0  # resolved without touching a GPU
+    for device in ("cpu", "cuda"):
+        assert script.micro_batch(script.Args(micro_batch_size=64), torch.device(device)) == 64
+
+
+def test_the_flags_keep_the_chunk_as_given_and_tf32_on_a_cpu_is_plain_fp32(script, capsys):
+    """prepare() returns the flags main() checkpoints: --micro-batch-size stays None (resolved at each start). On a
+    CPU, --precision tf32 says in the plan line that it runs as fp32 (the checksum configs pA and pT agree)."""
+    small = dict(num_envs=2, num_steps=8, n_pi=2, num_minibatches=1, aux_mb_trajectories=2, total_timesteps=64)
+    args, _, _, device, plan, memory = script.prepare(script.Args(precision="tf32", cuda=False, **small), set(), 1)
+    assert args.micro_batch_size is None and device.type == "cpu"
+    script.print_plan(args, plan, "run", device, 1, 2, 2, memory)
+    out = capsys.readouterr().out
+    assert (
+        "precision tf32 (a CPU has no TF32: plain fp32" in out and f"chunks of {script.CPU_MICRO_BATCH} states" in out
+    )
+
+
+def test_workers_reduce_through_nccl_only_when_each_has_a_gpu_of_its_own(script):
+    """start_workers' rule, from each worker's GPU UUID (None: a CPU): whether each worker sees every GPU or only its
+    own (as launchers under SLURM do), distinct GPUs mean nccl; a shared GPU or a CPU means gloo."""
+    assert script.own_gpus(["GPU-1a2b", "GPU-3c4d"])
+    assert not script.own_gpus(["GPU-1a2b", "GPU-1a2b"]) and not script.own_gpus(["GPU-1a2b", "GPU-3c4d", "GPU-1a2b"])
+    assert not script.own_gpus([None, None]) and not script.own_gpus(["GPU-1a2b", None])
 
 
 @pytest.mark.parametrize("arch", ["dual", "shared"])
@@ -241,25 +265,29 @@ def test_policy_phase_aux_head_gets_no_gradient(script, arch):
     assert all(p.grad is None for p in agent.parameters())  # no gradient is left over for the next step or phase
 
 
-@pytest.mark.parametrize("arch", ["dual", "detach"])
-def test_policy_phase_value_loss_never_reaches_policy_trunk(script, arch):
-    """E_V = 2 > E_pi = 1: the second epoch's minibatches carry only the value loss; the gradient
-    left by the last of them must sit on the value network alone."""
+@pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
+@pytest.mark.parametrize("e_pi, e_v", [(1, 2), (2, 1)])
+def test_policy_phase_runs_value_epochs_first_when_e_pi_differs_from_e_v(script, arch, e_pi, e_v):
+    """The released code's order (ppo.learn, opt_keys): with E_pi != E_V, E_V epochs of the value loss alone, stepped
+    by an Adam of their own, then E_pi epochs of the PPO loss alone, stepped by the policy phase's Adam. Each step's
+    gradient: the value loss never reaches theta_pi's trunk unless it is shared; the PPO loss never reaches theta_V."""
     agent = make_agent(script, arch)
-    args = small_args(script, e_pi=1, e_v=2)
-    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    steps = _reached_per_step(agent, opt)
-    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
-    assert not any(id(p) in steps[-1] for p in agent.policy_parameters())
-    assert all(id(p) in steps[-1] for p in agent.value_head.parameters())
-    # and the PPO loss alone touches no value parameter (E_pi = 2 > E_V = 1)
-    agent = make_agent(script, arch)
-    args = small_args(script, e_pi=2, e_v=1)
-    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    steps = _reached_per_step(agent, opt)
-    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
-    assert not any(id(p) in steps[-1] for p in agent.value_parameters())
-    assert all(id(p) in steps[-1] for p in agent.pi_head.parameters())
+    args = small_args(script, e_pi=e_pi, e_v=e_v)  # 2 minibatches an epoch
+    policy_opt, value_opt = (torch.optim.Adam(agent.parameters(), lr=1e-3) for _ in range(2))
+    steps, current = [], set()
+    for p in agent.parameters():
+        p.register_hook(lambda g, p=p: current.add(id(p)) if torch.count_nonzero(g) else None)
+    for name, opt in (("policy", policy_opt), ("value", value_opt)):
+        opt.step = lambda *a, name=name, step=opt.step: (steps.append((name, set(current))), current.clear(), step())
+    batch = random_batch(script, 16, A)
+    script.policy_phase_update(agent, policy_opt, batch, args, script.make_plan(args), value_opt)
+    assert [name for name, _ in steps] == ["value"] * 2 * e_v + ["policy"] * 2 * e_pi
+    value, trunk = {id(p) for p in agent.value_parameters()}, {id(p) for p in agent.pi_trunk.parameters()}
+    for name, reached in steps:
+        if name == "value":
+            assert value <= reached and (reached & trunk if arch == "shared" else not reached - value)
+        else:
+            assert not reached & value and {id(p) for p in agent.pi_head.parameters()} <= reached
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach"])

@@ -315,7 +315,7 @@ def test_policy_loss(rel, script):
     # rollout log-probabilities near these outputs' (by make_data's noise), so some ratios are clipped and some not
     d.logprobs = F.log_softmax(outputs[0], -1).gather(-1, d.actions[..., None]).squeeze(-1) + d.noise
     d.obs = torch.arange(n)[:, None].expand(n, t)  # ReleasedHeads: each trajectory's index
-    loss, stats = script.policy_phase_loss(out, flat_batch(d), args, 0)
+    loss, stats = script.policy_phase_loss(out, flat_batch(d), args)
     loss.backward()
     heads = ReleasedHeads(rel, *outputs)
     losses, diags = released_policy_losses(rel, heads, d, args)

@@ -103,3 +103,37 @@ def test_benchmark_reports_raw_speed_and_the_loop_efficiency(tmp_path):
     assert float(efficiency[0]) == pytest.approx(update / raw, abs=0.006)
     assert float(efficiency[1]) == pytest.approx(aux / raw, abs=0.006)
     assert 0.1 < float(efficiency[1]) < 3 and "whole-phase env steps/s" in out
+
+
+def test_benchmark_measures_fp32_with_tf32_off_after_its_sweep_and_at_the_chunks_training_runs(monkeypatch, capsys):
+    """--sweep sets each precision's TF32 flag in turn (as on a GPU, simulated here): the figures measured after it
+    run with fp32's setting again, not bf16's. With whole minibatches, raw speed is measured at both chunks training
+    runs (Procgen's scaled run: 2,048-state PPO minibatches, 1,024-state aux minibatches)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    script, measured = bench.load("ppg_procgen.py"), []
+    real_pick = script.pick_device
+
+    def pick_as_on_a_gpu(args):
+        torch.backends.cudnn.allow_tf32 = args.precision != "fp32"  # what pick_device does where a GPU is
+        return real_pick(args)
+
+    def raw_speed(module, agent, device, chunk, states=2048):
+        measured.append((chunk, agent.bf16, torch.backends.cudnn.allow_tf32))
+        return {"forward": 1.0, "forward+backward": 1.0}
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)  # put back afterwards
+    monkeypatch.setattr(script, "pick_device", pick_as_on_a_gpu)
+    monkeypatch.setattr(bench, "load", lambda name: script)
+    monkeypatch.setattr(bench, "raw_speed", raw_speed)
+    argv = ["benchmark.py", "ppg_procgen.py", "--cpu", "--sweep", "--no-train", "--micro-batch-size", "0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    assert (0, True, True) in measured  # the sweep did set bf16's flag
+    assert measured[-2:] == [(1024, False, False), (2048, False, False)]
+    assert "chunk 1024: raw" in capsys.readouterr().out

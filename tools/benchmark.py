@@ -86,7 +86,7 @@ def raw_speed(module, agent, device, chunk: int, states: int = 2048) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("script", choices=sorted(SCALED))
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="as the script's flag")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"), help="as the script's flag")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="chunk size (default: the script's)")
     parser.add_argument("--arch", default="dual")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
@@ -108,53 +108,61 @@ def main() -> None:
         )
 
     flags = dict(arch=opts.arch, precision=opts.precision, micro_batch_size=opts.micro_batch_size, cuda=not opts.cpu)
-    args, device = module.pick_device(module.Args(**flags))
+    args = module.Args(**flags)
+    device = module.pick_device(args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{opts.script} arch={args.arch} on {name}")
     if opts.sweep:
         print("raw forward+backward states/s (chunk 0 = 2,048 states at once)")
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "tf32", "bf16") if device.type == "cuda" else ("fp32", "bf16"):
             speeds = []
             for chunk in (128, 256, 512, 1024, 0):
-                sweep_args = module.pick_device(module.Args(**dict(flags, precision=precision)))[0]
+                sweep_args = module.Args(**dict(flags, precision=precision))
+                module.pick_device(sweep_args)  # this precision's TF32 setting
                 speeds.append(
                     f"{chunk}: {raw_speed(module, agent_for(sweep_args), device, chunk)['forward+backward']:.0f}"
                 )
             print(f"  {precision}  " + "   ".join(speeds), flush=True)
-
-    raw = raw_speed(module, agent_for(args), device, args.micro_batch_size)
-    print(
-        f"precision {args.precision}, chunk {args.micro_batch_size or 'whole minibatch'}: raw "
-        f"forward {raw['forward']:.0f} states/s, forward+backward {raw['forward+backward']:.0f} states/s",
-        flush=True,
-    )
-    if opts.no_train:
-        return
+        module.pick_device(args)  # back to the measured precision's TF32 setting (the sweep ends on bf16's)
 
     scaled = list(SCALED[opts.script])  # --total-timesteps counts every worker's steps: K times as many
     for flag, value in (("--" + item.split("=")[0], item.split("=", 1)[1]) for item in opts.set):
         scaled += [flag, value] if flag not in scaled else []
         scaled[scaled.index(flag) + 1] = value
     scaled[scaled.index("--total-timesteps") + 1] = str(int(scaled[scaled.index("--total-timesteps") + 1]) * workers)
-    train_argv = (
-        scaled
-        + ["--arch", args.arch, "--precision", args.precision, "--micro-batch-size", str(args.micro_batch_size)]
-        + (["--no-cuda"] if opts.cpu else [])
+    train_argv = scaled + ["--arch", args.arch, "--precision", args.precision] + (["--no-cuda"] if opts.cpu else [])
+    train_argv += ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size is not None else []
+    import tyro
+
+    train_args = tyro.cli(module.Args, args=train_argv)
+    plan, chunk = module.make_plan(train_args, workers), module.micro_batch(train_args, device)
+    # Raw speed at the chunks training runs: the PPO minibatch's and the aux minibatch's (whole minibatches differ)
+    aux_states = train_args.aux_mb_trajectories * train_args.num_steps
+    chunks = dict(
+        policy=min(chunk or plan.minibatch_size, plan.minibatch_size), aux=min(chunk or aux_states, aux_states)
     )
+    raw = {size: raw_speed(module, agent_for(args), device, size) for size in sorted(set(chunks.values()))}
+    for size, speed in raw.items():
+        print(
+            f"precision {args.precision}, chunk {size}: raw forward {speed['forward']:.0f} states/s, "
+            f"forward+backward {speed['forward+backward']:.0f} states/s",
+            flush=True,
+        )
+    if opts.no_train:
+        return
+
     print("scaled training run: " + " ".join(train_argv), flush=True)
     os.chdir(tempfile.mkdtemp(prefix="ppg-benchmark-"))  # its runs/ folder goes there
     sys.argv = [opts.script, *train_argv]
-    import tyro
-
-    args = tyro.cli(module.Args)
+    args = train_args
     phase = module.main(args)[0]  # the phase that has an aux phase: seconds by part
-    steps, plan = args.n_pi * args.num_envs * args.num_steps, module.make_plan(args, workers)  # of one worker
+    steps = args.n_pi * args.num_envs * args.num_steps  # of one worker
     update = steps * max(args.e_pi, args.e_v) / phase["policy_update"]
     aux = phase["aux_epochs_run"] * plan.aux_slots * plan.batch_size / phase["aux_epochs"]
     print(f"forward+backward states/s of one worker: policy update {update:.0f}, aux epochs {aux:.0f}")
     print(
-        f"efficiency (achieved / raw forward+backward): policy update {update / raw['forward+backward']:.2f}, "
-        f"aux epochs {aux / raw['forward+backward']:.2f}"
+        "efficiency (achieved / raw forward+backward at the same chunk): policy update "
+        f"{update / raw[chunks['policy']]['forward+backward']:.2f}, aux epochs {aux / raw[chunks['aux']]['forward+backward']:.2f}"
     )
     policy_phase = steps * workers / (phase["rollout"] + phase["policy_update"])
     print(

@@ -7,7 +7,7 @@ Run it before and after a change on the same machine: every line must be identic
 (2 envs x 32 steps, 3 rollouts, one aux phase) with --save-model, run as a user runs it (torchrun for the t*
 configs, 2 workers); the checksum is of the saved state dict's tensors in key order. The configs cover each arch,
 E_V > E_pi, gradient clipping, several minibatches, the KL guard firing, 2-trajectory aux minibatches, unseen-level
-evaluation, the reward normaliser, bf16 (pE), and data parallelism.
+evaluation, the reward normaliser, bf16 (pE), tf32 (pT: on a CPU equal to pA), and data parallelism.
 """
 
 import hashlib
@@ -29,6 +29,7 @@ CONFIGS = {
     "pC": f"{PROCGEN} --arch shared --e-aux 0 --e-pi 4 --e-v 4",
     "pD": f"{PROCGEN} --aux-kl-stop 1e-9 --aux-mb-trajectories 2 --seed 7",
     "pE": f"{PROCGEN} --precision bf16",
+    "pT": f"{PROCGEN} --num-levels 10 --precision tf32",  # on a CPU: pA's arithmetic (no TF32 there)
     "aA": f"{ATARI} --num-minibatches 2",
     "aB": f"{ATARI} --arch detach --norm-reward --aux-kl-stop 1e-9",
     "aC": f"{ATARI} --arch shared --e-aux 0 --e-pi 4 --e-v 4 --max-grad-norm 0.5",

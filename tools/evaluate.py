@@ -13,6 +13,7 @@ training's (the run's --seed + 2,000,003 + --seed here, wrapped below 2^31 as th
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -116,7 +117,8 @@ def main() -> None:
         args = module.Args(**state["args"])
     except TypeError as e:  # a flag that this version of the script does not have
         sys.exit(f"error: {path}: its flags do not fit this version of {module.SCRIPT} ({e})")
-    device = torch.device("cuda" if torch.cuda.is_available() and not opts.cpu else "cpu")
+    # The script's own device choice, which also sets TF32 as the run's --precision says (fp32: off on GPUs)
+    device = module.pick_device(dataclasses.replace(args, cuda=not opts.cpu))
     num_actions = state["agent"]["pi_head.weight"].shape[0]  # the game's own action set, as trained
     agent = module.PPGAgent(args.arch, module.OBS_SHAPE, num_actions, bf16=args.precision == "bf16")
     agent.load_state_dict(state["agent"])
