@@ -15,6 +15,7 @@ One file, read top to bottom:
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import io
 import math
 import os
@@ -70,6 +71,11 @@ class Args:
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
     save_model: bool = False  # if toggled, save the weights and flags to `{run folder}/{exp_name}.pt` at the end
     resume: Optional[str] = None  # continue the run in this folder (or checkpoint file) from its last phase boundary
+    track: bool = (
+        False  # if toggled, log the run to Weights & Biases too (every TensorBoard scalar, by sync_tensorboard)
+    )
+    wandb_project_name: str = "ppg"  # the W&B project of --track
+    wandb_entity: Optional[str] = None  # the W&B entity (user or team) of --track; None: the logged-in user's default
 
     # Environment
     env_id: Literal[PROCGEN_GAMES] = "bigfish"  # the Procgen game
@@ -776,7 +782,8 @@ def own_gpus(gpus: List[Optional[str]]) -> bool:
 
 # ==== 8. Runs that survive and report: checkpoints, --resume, stop signals, logs ======================================
 CHECKPOINT_FORMAT, SCRIPT = 1, os.path.basename(__file__)
-RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_size")  # the rest: from the checkpoint
+RESUMABLE = ("resume", "total_timesteps", "cuda", "save_model", "micro_batch_size", "track", "wandb_project_name")
+RESUMABLE += ("wandb_entity",)  # these a --resume may give; the rest come from the checkpoint
 
 
 def model_file(args: Args, run_name: str, agent: nn.Module) -> Dict:
@@ -866,8 +873,24 @@ class StopSignal:
 class Logger:
     """TensorBoard scalars in the run's folder (rank 0 alone writes them) and the console lines."""
 
-    def __init__(self, run_dir: str, args: Args, rank: int, resumed_step: Optional[int]):
+    def __init__(self, run_dir: str, args: Args, rank: int, resumed_step: Optional[int], wandb_id: Optional[str]):
         from torch.utils.tensorboard import SummaryWriter
+
+        self.wandb = None
+        if args.track and rank == 0:  # before the SummaryWriter: sync_tensorboard patches it
+            import wandb  # only with --track
+
+            name = os.path.basename(run_dir)  # a resumed run continues its W&B run (the id its checkpoint keeps)
+            self.wandb = wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                config=vars(args),
+                name=name,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+                sync_tensorboard=True,
+                save_code=True,
+            )
 
         # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step twice.
         self.writer = SummaryWriter(run_dir, purge_step=resumed_step and resumed_step + 1) if rank == 0 else None
@@ -912,6 +935,8 @@ class Logger:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 TIMED = ("rollout", "policy_update", "snapshot", "aux_epochs", "grad_allreduce")  # all-reduce: inside the updates
@@ -983,6 +1008,8 @@ def prepare(args: Args, given: Optional[set], workers: int):
         args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
         if ckpt and ckpt.get("workers", 1) != workers:  # else the global batch would change
             raise ArgError(f"--resume: the run had {ckpt.get('workers', 1)} workers; resume it with as many")
+        if args.track and importlib.util.find_spec("wandb") is None:  # (wandb is imported only with --track)
+            raise ArgError("--track needs wandb: pip install wandb==0.31.0 (or leave --track out)")
         device = pick_device(args)
         plan = make_plan(args, workers)
         return args, ckpt, run_dir, device, plan, check_memory(args, plan, device)
@@ -1005,7 +1032,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     phase, iteration = (ckpt["phase"], ckpt["global_step"] // (plan.batch_size * workers)) if ckpt else (0, 0)
     num_phases = phase + -(-(plan.num_iterations - iteration) // args.n_pi)
     print_plan(args, plan, run_name, device, workers, num_phases, num_phases - phase, memory)
-    log = Logger(run_dir, args, rank, ckpt["global_step"] if ckpt else None)
+    log = Logger(run_dir, args, rank, ckpt["global_step"] if ckpt else None, ckpt.get("wandb_id") if ckpt else None)
 
     # One random stream per start and worker: --seed, shifted by the phases done (so a resumed run is reproducible
     # too) and by the rank (so no two workers play the same levels or sample the same actions).
@@ -1088,6 +1115,7 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             if rank == 0:
                 state = {name: thing.state_dict() for name, thing in stateful.items()}
                 state.update(counters, recent_returns=list(log.recent_returns), spent=dict(SPENT), rate_line=line)
+                state["wandb_id"] = log.wandb.id if log.wandb else ckpt and ckpt.get("wandb_id")  # kept for --track
                 save_checkpoint(f"{run_dir}/checkpoint.pt", dict(model_file(args, run_name, agent), **state))
             saved = (phase, global_step)
             for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs run; logged after the checkpoint,

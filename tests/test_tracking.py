@@ -1,0 +1,95 @@
+"""--track: the run logged to Weights & Biases, offline (WANDB_MODE=offline, no network, no key), read back from
+the run file W&B writes. W&B patches TensorBoard for the whole process, so the runs are subprocesses."""
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, load_script, refusal
+
+SCRIPT = "ppg_atari.py"  # the other script's three flags and their code are the same lines (test_tracking_flags)
+
+
+def wandb_records(path: str) -> list:
+    """The protobuf records of a W&B run file (.wandb): a 7-byte header, then 32 KiB blocks of records, each a
+    7-byte header (crc, length, type: 1 whole, 2 first, 3 middle, 4 last part) and its bytes."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, records, part, pos = open(path, "rb").read(), [], b"", 7
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        part, pos = part + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            records.append(record)
+            part = b""
+    return records
+
+
+def tracked_run(cwd, *flags):
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(cwd), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    argv = [sys.executable, str(ROOT / SCRIPT), *flags, "--track", "--wandb-project-name", "ppg-test"]
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def read_offline_run(folder) -> dict:
+    (path,) = glob.glob(f"{folder}/run-*.wandb")
+    runs, history = [], []
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            runs.append(record.run)
+        elif kind == "history":
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+    (run,) = runs
+    return dict(run=run, config={u.key: json.loads(u.value_json) for u in run.config.update}, history=history)
+
+
+def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_same_wandb_run(tmp_path):
+    tracked_run(tmp_path, *TINY_FLAGS[SCRIPT])
+    (first,) = glob.glob(f"{tmp_path}/wandb/offline-run-*")
+    logged = read_offline_run(first)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert logged["run"].display_name == run_dir.name and logged["run"].project == "ppg-test"
+    config = logged["config"]
+    assert config["env_id"] == "BreakoutNoFrameskip-v4" and config["num_steps"] == 32 and config["track"] is True
+    tags = {key for row in logged["history"] for key in row}
+    for tag in ("charts/episodic_return", "charts/SPS", "losses/policy_loss", "losses/value_loss", "aux/clone_kl"):
+        assert tag in tags, tag  # each namespace the TensorBoard logger writes reaches W&B
+    assert {"timing/rollout_s", "charts/peak_memory_GiB"} <= tags
+    # every row carries its TensorBoard step: env steps, and for aux/ tags the aux epochs run (1, 2)
+    assert [row["global_step"] for row in logged["history"] if "aux/clone_kl" in row] == [1, 2]
+    assert max(row["global_step"] for row in logged["history"]) == 192
+
+    # --resume (one more rollout): the checkpoint keeps the W&B id, and the resumed run logs under it again
+    tracked_run(tmp_path, "--resume", str(run_dir), "--total-timesteps", "256")
+    (second,) = set(glob.glob(f"{tmp_path}/wandb/offline-run-*")) - {first}
+    resumed = read_offline_run(second)
+    assert resumed["run"].run_id == logged["run"].run_id and second.endswith(logged["run"].run_id)
+    assert max(row["global_step"] for row in resumed["history"]) == 256
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_tracking_flags_and_track_without_wandb_stops_in_one_line(name, tmp_path, monkeypatch):
+    script = load_script(name)
+    args = script.Args()
+    assert (args.track, args.wandb_project_name, args.wandb_entity) == (False, "ppg", None)
+    assert {"track", "wandb_project_name", "wandb_entity"} <= set(script.RESUMABLE)  # may be given on --resume
+    real = script.importlib.util.find_spec
+    monkeypatch.setattr(script.importlib.util, "find_spec", lambda mod, *a: None if mod == "wandb" else real(mod, *a))
+    message = refusal(script, [*TINY_FLAGS[name], "--track"], tmp_path, monkeypatch)
+    assert "--track needs wandb: pip install wandb==" in message
