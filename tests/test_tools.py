@@ -1,9 +1,11 @@
 """tools/summarise_run.py and tools/plot_runs.py, which turn runs' TensorBoard logs into the README's evidence
 figures and plots."""
 
+import importlib.util
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -45,7 +47,16 @@ def test_plot_runs_draws_a_png(tmp_path):
     out = tmp_path / "returns.png"
     tool = [sys.executable, str(ROOT / "tools" / "plot_runs.py")]
     done = subprocess.run(
-        [*tool, str(tmp_path / "run_a"), str(tmp_path / "run_b"), "--labels", "PPG", "PPO", "--out", str(out)],
+        [
+            *tool,
+            *(str(tmp_path / r) for r in ("run_a", "run_b", "run_a")),
+            "--labels",
+            "PPG",
+            "PPG",
+            "PPO",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
     )
@@ -54,6 +65,14 @@ def test_plot_runs_draws_a_png(tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     assert len(png) < 200_000
     assert image.imread(str(out)).shape[:2] == (440, 770)  # figsize (7, 4) inches at 110 dpi
+
+    # runs sharing a label are seeds: their mean, over the steps all reached (offsets 0 and 5: the mean is 2.5 above)
+    spec = importlib.util.spec_from_file_location("plot_runs", ROOT / "tools" / "plot_runs.py")
+    plot_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_runs)
+    a, b = (plot_runs.trailing_mean(str(tmp_path / r), 100) for r in ("run_a", "run_b"))
+    grid, mean = plot_runs.mean_of_seeds([a, (b[0][:200], b[1][:200])])  # b stops at step 200,000
+    assert grid[0] == 1000 and grid[-1] == 200_000 and np.allclose(mean, np.interp(grid, *a) + 2.5)
 
     # a missing run folder: one line naming it, not a traceback
     done = subprocess.run(

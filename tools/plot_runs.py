@@ -1,8 +1,11 @@
 """Plot runs' mean return over their last 100 (--window) finished episodes against env steps, into one PNG.
 
     python tools/plot_runs.py RUN_DIR [RUN_DIR ...] --out FILE.png [--labels L1 L2 ...] [--window 100] [--title T]
-    python tools/plot_runs.py runs/BreakoutNoFrameskip-v4__ppg__1__<time> runs/BreakoutNoFrameskip-v4__ppo__1__<time> \
-        --labels PPG PPO --out breakout.png
+    python tools/plot_runs.py docs/logs/*ppg__1* docs/logs/*ppg__2* docs/logs/*ppo__1* docs/logs/*ppo__2* \
+        --labels PPG PPG PPO PPO --out docs/breakout.png
+
+Runs that share a label are seeds of one method: each seed's curve is drawn faint, and their mean (over the
+steps all of them reached) bold. A label of one run is drawn bold alone.
 """
 
 import argparse
@@ -30,6 +33,27 @@ def steps_label(x: float, _pos=None) -> str:
     return f"{x / 1e3:g}k" if abs(x) >= 1e3 else f"{x:g}"
 
 
+def trailing_mean(run_dir: str, window: int):
+    """(env steps, mean return of the last `window` episodes, fewer at the start), as summarise_run.py computes it."""
+    if not os.path.isdir(run_dir):
+        sys.exit(f"error: {run_dir}: not a folder")
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    if TAG not in acc.Tags()["scalars"]:
+        sys.exit(f"error: {run_dir}: no {TAG} scalars (no finished episode logged, or not a run folder)")
+    episodes = sorted(acc.Scalars(TAG), key=lambda e: e.step)  # several event files may interleave
+    steps, returns = np.array([e.step for e in episodes]), np.array([e.value for e in episodes])
+    csum, ends = np.concatenate([[0.0], np.cumsum(returns)]), np.arange(1, len(returns) + 1)
+    starts = np.maximum(ends - window, 0)
+    return steps, (csum[ends] - csum[starts]) / (ends - starts)
+
+
+def mean_of_seeds(runs):
+    """The seeds' trailing means averaged on a common grid of env steps, over the steps every seed reached."""
+    grid = np.linspace(max(steps[0] for steps, _ in runs), min(steps[-1] for steps, _ in runs), 400)
+    return grid, np.mean([np.interp(grid, steps, mean) for steps, mean in runs], axis=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs/{run_name} folders")
@@ -44,25 +68,17 @@ def main() -> None:
     if args.window < 1:
         parser.error("--window must be at least 1")
 
+    curves = {}  # label -> [(steps, trailing mean)] of its runs
+    for run_dir, label in zip(args.run_dirs, labels):
+        curves.setdefault(label, []).append(trailing_mean(run_dir, args.window))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110, layout="constrained")
-    for i, (run_dir, label) in enumerate(zip(args.run_dirs, labels)):
-        if not os.path.isdir(run_dir):
-            sys.exit(f"error: {run_dir}: not a folder")
-        acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-        acc.Reload()
-        if TAG not in acc.Tags()["scalars"]:
-            sys.exit(f"error: {run_dir}: no {TAG} scalars (no finished episode logged, or not a run folder)")
-        episodes = sorted(acc.Scalars(TAG), key=lambda e: e.step)  # several event files may interleave
-        steps = np.array([e.step for e in episodes])
-        returns = np.array([e.value for e in episodes])
-        # trailing mean over the last `window` episodes (fewer at the start), as summarise_run.py computes it
-        csum = np.concatenate([[0.0], np.cumsum(returns)])
-        ends = np.arange(1, len(returns) + 1)
-        starts = np.maximum(ends - args.window, 0)
-        mean = (csum[ends] - csum[starts]) / (ends - starts)
-        # each episode's own return as a faint dot under its run's mean line (as CleanRL's plots do)
-        ax.scatter(steps, returns, s=3, alpha=0.3, color=f"C{i}", linewidths=0)
-        ax.plot(steps, mean, color=f"C{i}", lw=1.8, label=label)
+    for i, (label, runs) in enumerate(curves.items()):
+        if len(runs) == 1:
+            ax.plot(*runs[0], color=f"C{i}", lw=1.8, label=label)
+            continue
+        for steps, mean in runs:
+            ax.plot(steps, mean, color=f"C{i}", lw=0.9, alpha=0.35)
+        ax.plot(*mean_of_seeds(runs), color=f"C{i}", lw=2.0, label=f"{label}: mean of {len(runs)} seeds (each faint)")
 
     ax.xaxis.set_major_formatter(FuncFormatter(steps_label))
     ax.set_xlabel("env steps")
