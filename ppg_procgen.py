@@ -22,6 +22,7 @@ import os
 import random
 import resource
 import signal
+import socket
 import sys
 import time
 from collections import defaultdict, deque
@@ -86,7 +87,7 @@ class Args:
     # Policy phase (PPO)
     total_timesteps: int = 25_000_000  # env steps of all workers (rounded UP to whole rollouts; the count is printed)
     learning_rate: float = 5e-4  # Adam learning rate of both phases (constant, as in the paper)
-    # if toggled, both optimizers' rate falls linearly to 0 over the run's rollouts (CleanRL's flag; off in the paper); each aux phase takes its phase's last rate
+    # if toggled, every optimizer's rate falls linearly to 0 over the run's rollouts (CleanRL's flag; off in the paper); each aux phase takes its phase's last rate
     anneal_lr: bool = False
     num_envs: int = 64  # number of parallel envs (of each worker, under torchrun)
     num_steps: int = 256  # steps per env in each rollout
@@ -135,6 +136,7 @@ class Plan:
     total_env_steps: int  # num_iterations * batch_size * workers: what the run really does
     aux_slots: int  # rollouts the buffer holds: N_pi if an auxiliary phase ever runs, else 1
     aux_minibatches: int  # auxiliary minibatches per epoch
+    update_epochs: int  # passes over a rollout in its update: E_pi (== E_V, one backward for both) or E_pi + E_V
     buffer_bytes: int  # bytes of every per-step array of buffer_fields (frames uint8), as allocate_buffers makes them
 
 
@@ -177,6 +179,7 @@ def make_plan(args: Args, workers: int = 1) -> Plan:
         total_env_steps=num_iterations * batch_size * workers,
         aux_slots=aux_slots,
         aux_minibatches=trajectories // args.aux_mb_trajectories,
+        update_epochs=args.e_pi if args.e_pi == args.e_v else args.e_pi + args.e_v,
         buffer_bytes=trajectories * args.num_steps * step_bytes(NUM_ACTIONS),
     )
 
@@ -200,8 +203,9 @@ def pick_device(args: Args) -> torch.device:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus) if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)  # where nccl reduces
-        # fp32 means fp32: PyTorch runs cuDNN convolutions in TF32 by default on Ampere and later GPUs
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision != "fp32"
+        # TF32 only when asked: PyTorch runs cuDNN convolutions in TF32 by default on Ampere and later GPUs, and
+        # bf16 autocasts the trunks alone (the heads and losses stay fp32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     return device
 
 
@@ -213,15 +217,14 @@ def micro_batch(args: Args, device: torch.device) -> int:
     return 0 if device.type == "cuda" else CPU_MICRO_BATCH
 
 
-def check_memory(args: Args, plan: Plan, device: torch.device) -> Tuple[int, int]:
-    """(bytes this machine's workers need: buffers, a chunk's activations, the process; bytes free or -1), or ArgError."""
+def check_memory(args: Args, plan: Plan, device: torch.device, sharing: int = 1) -> Tuple[int, int]:
+    """(bytes the `sharing` workers on this device need: buffers, a chunk's activations, the process; bytes free on
+    it or -1), or ArgError. The device: this worker's GPU, or this machine's RAM."""
     minibatch = max(plan.minibatch_size, args.aux_mb_trajectories * args.num_steps)  # states gathered at once
     chunk = min(micro_batch(args, device) or math.inf, minibatch)
     buffers = plan.buffer_bytes + minibatch * step_bytes(NUM_ACTIONS)  # the buffers, and one minibatch's copy
     allowance = PROCESS_BYTES + chunk * ACTIVATION_BYTES_PER_TRUNK_STATE * (2 if args.arch == "dual" else 1)
-    workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's workers on this machine share its memory
-    cuda = device.type == "cuda"
-    needed = (-(-workers // torch.cuda.device_count()) if cuda else workers) * (buffers + allowance)
+    cuda, needed = device.type == "cuda", sharing * (buffers + allowance)
     meminfo = open("/proc/meminfo").readlines() if os.path.exists("/proc/meminfo") and not cuda else []
     free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable")), -1)
     free = torch.cuda.mem_get_info(device)[0] if cuda else free
@@ -534,7 +537,7 @@ def accumulate_gradients(n: int, chunk: int, loss_fn: Callable[[slice], Tuple[to
 
 def optimizer_step(optimizer: torch.optim.Optimizer, agent: "PPGAgent", max_grad_norm: float, stats: Dict) -> None:
     """Adam step on the workers' mean gradient, theta_pi's and theta_V's norms clipped separately (one network's gradient
-    never rescales the other's update); then the gradients are dropped, as both optimizers share the parameters' .grad.
+    never rescales the other's update); then the gradients are dropped, as the optimizers share the parameters' .grad.
     A non-finite gradient, averaged, is seen by every worker at once: all stop, naming this worker's bad losses."""
     average_gradients(agent.parameters())
     # Any NaN or inf makes the L1 norm non-finite; one foreach pass (not a kernel a tensor) and one wait a step
@@ -666,7 +669,9 @@ def policy_phase_update(agent: PPGAgent, optimizer, batch, args: Args, plan: Pla
     n, logs = batch["obs"].shape[0], defaultdict(list)
     epochs = [(("policy", "value"), args.e_pi, optimizer)]
     if args.e_pi != args.e_v:
-        epochs = [(("value",), args.e_v, value_optimizer or optimizer), (("policy",), args.e_pi, optimizer)]
+        if value_optimizer is None:
+            raise ValueError("policy_phase_update: E_pi != E_V needs the value epochs' own optimizer")
+        epochs = [(("value",), args.e_v, value_optimizer), (("policy",), args.e_pi, optimizer)]
     for terms, count, opt in epochs:
         for _ in range(count):
             for idx in torch.randperm(n, device=batch["obs"].device).split(plan.minibatch_size):
@@ -763,14 +768,25 @@ def gather(items: list) -> list:
     return [item for part in parts for item in part]
 
 
-def start_workers(device: torch.device, agent: nn.Module) -> None:
+def join_workers(device: torch.device) -> int:
     """Join torchrun's process group (gloo); reduce through nccl if every worker has a GPU of its own (GPUs told
     apart by UUID, so a launcher that shows each worker only its own GPU gets nccl too; CPUs and shared GPUs: gloo).
-    Then copy rank 0's parameters to every worker. A collective kept waiting 30 minutes fails the run."""
+    A collective kept waiting 30 minutes fails the run. Returns how many workers share this one's device (its GPU,
+    or this machine's RAM), for the memory check."""
     timeout, NCCL[:] = datetime.timedelta(minutes=30), []
     dist.init_process_group("gloo", timeout=timeout)
-    if own_gpus(gather([str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None])):
+    place = (
+        socket.gethostname(),
+        str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None,
+    )
+    places = gather([place])
+    if own_gpus([gpu for _, gpu in places]):
         NCCL.append(dist.new_group(backend="nccl", timeout=timeout))
+    return places.count(place)
+
+
+def broadcast_parameters(agent: nn.Module) -> None:
+    """Every worker takes rank 0's parameters."""
     for tensor in agent.state_dict().values():  # broadcast as a sum: rank 0's values plus zeros, exactly rank 0's
         tensor.copy_(all_reduce(tensor if dist.get_rank() == 0 else torch.zeros_like(tensor)))
 
@@ -932,11 +948,11 @@ class Logger:
         print(f"phase {phase} done in {phase_s:.1f}s: {parts}; {memory}", flush=True)
         return dict(seconds, phase_s=phase_s)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         if self.writer:
             self.writer.close()
         if self.wandb:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
 
 
 TIMED = ("rollout", "policy_update", "snapshot", "aux_epochs", "grad_allreduce")  # all-reduce: inside the updates
@@ -945,7 +961,7 @@ TIMED = ("rollout", "policy_update", "snapshot", "aux_epochs", "grad_allreduce")
 def eta_seconds(args: Args, plan: Plan, iterations_done: int, aux_phases_left: int, spent: Dict[str, float]) -> float:
     """Time left at the measured costs. Until an aux phase has run, it costs the policy update's time per rollout and
     epoch (the same forward+backward) x its rollouts x E_aux + 1/3 epochs (the snapshot: a forward pass, a third)."""
-    per_update = spent["policy_update"] / (iterations_done * max(args.e_pi, args.e_v))
+    per_update = spent["policy_update"] / (iterations_done * plan.update_epochs)
     per_aux = (spent["snapshot"] + spent["aux_epochs"]) / spent["aux_phases"] if spent["aux_phases"] else None
     per_iteration = (spent["rollout"] + spent["policy_update"]) / iterations_done
     per_aux = per_update * plan.aux_slots * (args.e_aux + 1 / 3) if per_aux is None else per_aux
@@ -1012,7 +1028,8 @@ def prepare(args: Args, given: Optional[set], workers: int):
             raise ArgError("--track needs wandb: pip install wandb==0.31.0 (or leave --track out)")
         device = pick_device(args)
         plan = make_plan(args, workers)
-        return args, ckpt, run_dir, device, plan, check_memory(args, plan, device)
+        sharing = join_workers(device) if workers > 1 else 1  # torchrun: the process group; who shares this device
+        return args, ckpt, run_dir, device, plan, check_memory(args, plan, device, sharing)
     except ArgError as e:
         if int(os.environ.get("LOCAL_RANK", 0)):  # the first worker prints: torchrun must not stop it before it has
             time.sleep(3)
@@ -1058,17 +1075,18 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     buffers = allocate_buffers(args, plan, envs.num_actions, device)
 
     global_step, aux_epochs_done, phases, saved = 0, 0, [], None  # saved: (phase, step) of the last checkpoint
-    SPENT.clear()
+    SPENT.clear(), PENDING.clear()
     if ckpt:  # --resume: everything the checkpoint holds
         for name, thing in stateful.items():  # (a checkpoint from before value_optimizer existed: a fresh one)
-            thing.load_state_dict(ckpt[name]) if name in ckpt else print(f"--resume: no {name} saved: a fresh one")
+            if name in ckpt or name != "value_optimizer":
+                thing.load_state_dict(ckpt[name])
         global_step, aux_epochs_done, saved = ckpt["global_step"], ckpt["aux_epochs_done"], (phase, ckpt["global_step"])
         SPENT.update(ckpt["spent"])
         log.recent_returns.extend(ckpt["recent_returns"])
         print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}")
     line = rate_line(args, plan, iteration, ckpt.get("rate_line") if ckpt else None)  # --anneal-lr's schedule
     if workers > 1:
-        start_workers(device, agent)  # torchrun's process group; every worker takes rank 0's parameters
+        broadcast_parameters(agent)  # every worker starts from rank 0's parameters
     stop, next_obs = StopSignal(), to_device(envs.reset(), device)
     try:
         while iteration < plan.num_iterations and not stop.agreed():
@@ -1121,7 +1139,9 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
             for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs run; logged after the checkpoint,
                 log.scalars("aux/", epoch_stats, aux_epochs_done - len(aux_epochs) + 1 + epoch)  # as purge_step can't
     except NonFiniteError as e:
-        log.close()
+        log.close(exit_code=1)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         sys.exit(f"error: phase {phase}, iteration {iteration}: {e}; stopped before that step; checkpoint unchanged")
 
     envs.close()

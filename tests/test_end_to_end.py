@@ -28,7 +28,7 @@ EXPECTED_TAGS = [
     "timing/aux_epochs_s",
 ]
 ARCH_FLAGS = {  # the in-process fp32 run of each other arch also exercises one optional feature
-    "detach": ["--e-v", "2"],  # E_V > E_pi: a second, value-only epoch
+    "detach": ["--e-v", "2"],  # E_V > E_pi: value-only epochs first, with an Adam of their own
     "shared": ["--max-grad-norm", "0.5"],
 }
 
@@ -81,7 +81,10 @@ def test_tiny_run_of_each_arch(name, arch, tmp_path, monkeypatch, capsys):
     main_in_process(script, [*TINY_FLAGS[name], "--arch", arch, *ARCH_FLAGS[arch]], tmp_path, monkeypatch)
     check_tiny_run(capsys.readouterr().out, read_scalars(tmp_path), "fp32")
     (run,) = (tmp_path / "runs").iterdir()
-    assert script.load_checkpoint(str(run))["args"]["arch"] == arch
+    state = script.load_checkpoint(str(run))
+    assert state["args"]["arch"] == arch
+    # main() hands the value epochs' Adam to the update when E_pi != E_V (detach here), and checkpoints it
+    assert bool(state["value_optimizer"]["state"]) == (arch == "detach") and state["policy_optimizer"]["state"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

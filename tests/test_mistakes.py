@@ -39,18 +39,24 @@ def wrap(monkeypatch, owner, name, before=None, after=None):
 class DeviceWaits(TorchFunctionMode):
     """Counts the tensor calls that make the host wait for a GPU (item, bool, tolist, cpu, float, int; numpy is not
     among them: on a GPU tensor it raises, so its wait is the cpu() before it), each under the function main() called
-    that it came from; those inside torch.optim are left out (Adam reads its step count on the host)."""
+    that it came from; those inside torch.optim are left out (Adam reads its step count on the host). Also counts
+    the writes (setitem, copy_) into each of main()'s buffers (`buffers`, once allocated), by part and buffer."""
 
     WAITS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.cpu}
     WAITS |= {torch.Tensor.__float__, torch.Tensor.__int__}
 
     def __init__(self, script_file: str):
         super().__init__()
-        self.file, self.counts = script_file, Counter()
+        self.file, self.counts, self.writes, self.buffers = script_file, Counter(), Counter(), {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.WAITS and (part := self.part()):
             self.counts[part] += 1
+        if func in (torch.Tensor.__setitem__, torch.Tensor.copy_):
+            storage = args[0].untyped_storage().data_ptr()
+            for name, buffer in self.buffers.items():
+                if buffer.untyped_storage().data_ptr() == storage:
+                    self.writes[self.part(), name] += 1
         return func(*args, **(kwargs or {}))
 
     def part(self):
@@ -101,8 +107,9 @@ def recorded(request, tmp_path_factory):
             )
         wrap(mp, script, "auxiliary_phase", after=lambda epochs, *a: rec["aux_epochs"].append(len(epochs)))
         with DeviceWaits(script.__file__) as waits:
+            wrap(mp, script, "allocate_buffers", after=lambda buffers, *a: waits.buffers.update(buffers))
             main_in_process(script, tiny(script, *RECORDED_EXTRA[request.param]), cwd, mp)
-        rec["waits"] = waits.counts
+        rec["waits"], rec["writes"] = waits.counts, waits.writes
     (run,) = (cwd / "runs").iterdir()
     return script, rec, run
 
@@ -119,6 +126,9 @@ def test_no_needless_device_waits_in_the_hot_loops(recorded):
     assert waits.pop("policy_phase_update") + waits.pop("auxiliary_phase", 0) <= len(rec["steps"]) + updates
     setup = {part: waits.pop(part) for part in ("prepare", "outside main()", "evaluate") if part in waits}
     assert sum(waits.values()) <= 10 * rollouts, (waits, setup)  # evaluate: its own env loop, once a phase
+    # uploads: a frame batch per env step (the next step's input); the env's rewards and ends once a rollout
+    writes = {name: n for (part, name), n in rec["writes"].items() if part == "collect_rollout"}
+    assert writes["obs"] == steps and writes["raw_rewards"] == writes["ended"] == rollouts, writes
 
 
 def test_advantages_reach_the_update_normalised_per_rollout(recorded):

@@ -162,7 +162,7 @@ def test_the_flags_keep_the_chunk_as_given_and_tf32_on_a_cpu_is_plain_fp32(scrip
 
 
 def test_workers_reduce_through_nccl_only_when_each_has_a_gpu_of_its_own(script):
-    """start_workers' rule, from each worker's GPU UUID (None: a CPU): whether each worker sees every GPU or only its
+    """join_workers' rule, from each worker's GPU UUID (None: a CPU): whether each worker sees every GPU or only its
     own (as launchers under SLURM do), distinct GPUs mean nccl; a shared GPU or a CPU means gloo."""
     assert script.own_gpus(["GPU-1a2b", "GPU-3c4d"])
     assert not script.own_gpus(["GPU-1a2b", "GPU-1a2b"]) and not script.own_gpus(["GPU-1a2b", "GPU-3c4d", "GPU-1a2b"])

@@ -4,6 +4,7 @@ the run file W&B writes. W&B patches TensorBoard for the whole process, so the r
 import glob
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def read_offline_run(folder) -> dict:
     return dict(run=run, config={u.key: json.loads(u.value_json) for u in run.config.update}, history=history)
 
 
-def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_same_wandb_run(tmp_path):
+def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     tracked_run(tmp_path, *TINY_FLAGS[SCRIPT])
     (first,) = glob.glob(f"{tmp_path}/wandb/offline-run-*")
     logged = read_offline_run(first)
@@ -81,6 +82,20 @@ def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_sa
     resumed = read_offline_run(second)
     assert resumed["run"].run_id == logged["run"].run_id and second.endswith(logged["run"].run_id)
     assert max(row["global_step"] for row in resumed["history"]) == 256
+
+    # a stretch resumed with --no-track (in this process: W&B never starts) keeps the id for a later --track
+    script = load_script(SCRIPT)
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--resume", str(run_dir), "--total-timesteps", "320", "--no-track"])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.chdir(tmp_path)
+    try:
+        script.main(*script.parse_args())  # --no-track named on the command line: given, so kept
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    state = script.load_checkpoint(str(run_dir))
+    assert state["global_step"] == 320 and not state["args"]["track"] and state["wandb_id"] == logged["run"].run_id
+    assert "wandb" not in sys.modules or not sys.modules["wandb"].run  # no W&B run in this process
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -157,7 +157,7 @@ def main() -> None:
     args = train_args
     phase = module.main(args)[0]  # the phase that has an aux phase: seconds by part
     steps = args.n_pi * args.num_envs * args.num_steps  # of one worker
-    update = steps * max(args.e_pi, args.e_v) / phase["policy_update"]
+    update = steps * plan.update_epochs / phase["policy_update"]
     aux = phase["aux_epochs_run"] * plan.aux_slots * plan.batch_size / phase["aux_epochs"]
     print(f"forward+backward states/s of one worker: policy update {update:.0f}, aux epochs {aux:.0f}")
     print(

@@ -50,7 +50,10 @@ def trailing_mean(run_dir: str, window: int):
 
 def mean_of_seeds(runs):
     """The seeds' trailing means averaged on a common grid of env steps, over the steps every seed reached."""
-    grid = np.linspace(max(steps[0] for steps, _ in runs), min(steps[-1] for steps, _ in runs), 400)
+    first, last = max(steps[0] for steps, _ in runs), min(steps[-1] for steps, _ in runs)
+    if first >= last:
+        sys.exit(f"error: seeds of one label share no steps (one starts at {first:,}, one ends at {last:,})")
+    grid = np.linspace(first, last, 400)
     return grid, np.mean([np.interp(grid, steps, mean) for steps, mean in runs], axis=0)
 
 
