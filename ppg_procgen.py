@@ -72,9 +72,8 @@ class Args:
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
     save_model: bool = False  # if toggled, save the weights and flags to `{run folder}/{exp_name}.pt` at the end
     resume: Optional[str] = None  # continue the run in this folder (or checkpoint file) from its last phase boundary
-    track: bool = (
-        False  # if toggled, log the run to Weights & Biases too (every TensorBoard scalar, by sync_tensorboard)
-    )
+    # if toggled, log the run to Weights & Biases too (every TensorBoard scalar, by sync_tensorboard)
+    track: bool = False
     wandb_project_name: str = "ppg"  # the W&B project of --track
     wandb_entity: Optional[str] = None  # the W&B entity (user or team) of --track; None: the logged-in user's default
 
