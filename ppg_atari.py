@@ -1101,9 +1101,8 @@ def main(args: Args, given: Optional[set] = None) -> List[Dict[str, float]]:
     global_step, aux_epochs_done, phases, saved = 0, 0, [], None  # saved: (phase, step) of the last checkpoint
     SPENT.clear(), PENDING.clear()
     if ckpt:  # --resume: everything the checkpoint holds
-        for name, thing in stateful.items():  # (a checkpoint from before value_optimizer existed: a fresh one)
-            if name in ckpt or name != "value_optimizer":
-                thing.load_state_dict(ckpt[name])
+        for name in [name for name in stateful if name in ckpt or name != "value_optimizer"]:  # older files lack it
+            stateful[name].load_state_dict(ckpt[name])
         global_step, aux_epochs_done, saved = ckpt["global_step"], ckpt["aux_epochs_done"], (phase, ckpt["global_step"])
         SPENT.update(ckpt["spent"])
         log.recent_returns.extend(ckpt["recent_returns"])
