@@ -17,9 +17,9 @@ Declared deviations, not compared (each named where it applies):
   - approx_kl: we log the k3 estimator mean((r - 1) - log r); the released code logs 0.5 * mean(log(r)^2);
   - PPO minibatches: ours are shuffled states, the released code's whole trajectories; with one minibatch (as here)
     both are the whole rollout;
-  - E_pi != E_V: we run max(E_pi, E_V) epochs with one backward of both losses and one optimizer; the released code
-    then runs separate value and policy epochs with separate optimizers. With E_pi = E_V (the paper's 1 and 1, and
-    here) both take one backward of the summed losses and one Adam.
+  - E_pi != E_V is not compared here: both codes then run the E_V value epochs first with an Adam of their own, then
+    the E_pi policy epochs (tests/test_pieces.py checks that order); with E_pi = E_V (the paper's 1 and 1, and here)
+    both take one backward of the summed losses and one Adam.
 
 Run with -rP to see each comparison's worst measured difference next to its tolerance."""
 
