@@ -887,8 +887,10 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
         raise ArgError(
             f"--total-timesteps may only be raised on --resume (the checkpoint's: {saved['total_timesteps']})"
         )
-    run_dir = args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or "."
-    return dataclasses.replace(Args(**saved), **keep), state, os.path.normpath(run_dir)
+    run_dir = os.path.normpath(args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
+    if os.path.basename(run_dir) != state["run_name"]:  # a copied (or renamed) run folder is a run of its own:
+        state["wandb_id"] = None  # with --track, a W&B run under its name, not the original's
+    return dataclasses.replace(Args(**saved), **keep), state, run_dir
 
 
 class StopSignal:
