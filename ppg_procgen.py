@@ -862,6 +862,7 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
             f"--total-timesteps may only be raised on --resume (the checkpoint's: {saved['total_timesteps']})"
         )
     run_dir = os.path.normpath(args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
+    run_dir = os.path.abspath(run_dir) if os.path.basename(run_dir) in (".", "..") else run_dir  # a name to run under
     if os.path.basename(run_dir) != state["run_name"]:  # a copied (or renamed) run folder is a run of its own:
         state["wandb_id"] = None  # with --track, a W&B run under its name, not the original's
     return dataclasses.replace(Args(**saved), **keep), state, run_dir

@@ -116,6 +116,25 @@ def test_resume_of_a_copied_run_writes_into_the_copy(name, tiny_run, tmp_path, m
     assert f"seed: --seed {TOP_SEED:,} + 200,006 (phases done, worker) wraps around to " in out
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_resumed_run_keeps_its_wandb_id_and_a_copy_drops_it(name, tiny_run, tmp_path, monkeypatch):
+    """resume_args: the run's own folder, named as a folder, as its checkpoint file or as "." from inside it, keeps
+    the W&B id (and its run name); a copy under another name is a run of its own, with no W&B id."""
+    import shutil
+
+    script, run = load_script(name), copy_run(tiny_run(name), tmp_path)
+    state = script.load_checkpoint(str(run))
+    script.save_checkpoint(str(run / "checkpoint.pt"), dict(state, wandb_id="abc123"))
+    shutil.copytree(run, run.with_name(run.name + "_copy"))
+    for resume, kept in [(f"runs/{run.name}", True), (f"runs/{run.name}/checkpoint.pt", True), (".", True)]:
+        monkeypatch.chdir(run if resume == "." else tmp_path)
+        _, ckpt, run_dir = script.resume_args(script.Args(resume=resume), given={"resume"})
+        assert ckpt["wandb_id"] == "abc123" and os.path.basename(run_dir) == run.name, resume
+    monkeypatch.chdir(tmp_path)
+    _, ckpt, run_dir = script.resume_args(script.Args(resume=f"runs/{run.name}_copy"), given={"resume"})
+    assert ckpt["wandb_id"] is None and run_dir == f"runs/{run.name}_copy"
+
+
 def test_checkpoint_round_trip_is_bitwise(script, tmp_path):
     args = script.Args(num_envs=2, num_steps=8, num_minibatches=2, micro_batch_size=0)
     torch.manual_seed(0)
