@@ -1,0 +1,55 @@
+"""The two scripts stay parallel: `diff ppg_procgen.py ppg_atari.py` shows env, network and defaults only. Every
+top-level definition (function, class, constant) both scripts have is the same text in both, but for those named
+below, which differ by design; a fix made to one script only fails here."""
+
+import ast
+
+from conftest import ROOT
+
+# What each script has alone: its env wrapper, its network, and their helpers
+ONLY = {
+    "ppg_procgen.py": {"ProcgenVecEnv", "ImpalaEncoder", "ResidualBlock", "normed_init_", "evaluate"},
+    "ppg_atari.py": {"AtariVecEnv", "NatureEncoder", "orthogonal_init_", "ale_protocol", "check_env_args"},
+}
+ONLY["ppg_procgen.py"] |= {"SCORE_RANGES", "_ROWS", "NORMALISATION", "PROCGEN_GAMES", "normalised_score"}
+# Shared names whose text differs by design, and why
+DIFFER = {
+    "Args": "the env's flags and the defaults",
+    "OBS_SHAPE": "the env's frames",
+    "NUM_ACTIONS": "the env's action set",
+    "ENV_RULES": "the env flags' checks",
+    "ACTIVATION_BYTES_PER_TRUNK_STATE,PROCESS_BYTES": "the network's measured activations",
+    "make_plan": "Atari's env-id check",
+    "PPGAgent": "the network and its initialisation",
+    "Logger": "Procgen's normalised score of each episode",
+    "main": "the env's construction and Procgen's unseen-level evaluation",
+}
+
+
+def definitions(name: str) -> dict:
+    """Each top-level statement that binds a name, by that name: its source text (decorators included)."""
+    source = (ROOT / name).read_text()
+    lines, found = source.splitlines(), {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            key = node.name
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            key = ",".join(e.id for e in target.elts) if isinstance(target, ast.Tuple) else target.id
+            key += "+=" if isinstance(node, ast.AugAssign) else ""
+        else:
+            continue
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        found[key] = "\n".join(lines[first - 1 : node.end_lineno])
+    return found
+
+
+def test_the_scripts_differ_only_in_env_network_and_defaults():
+    procgen, atari = definitions("ppg_procgen.py"), definitions("ppg_atari.py")
+    assert set(procgen) - set(atari) == ONLY["ppg_procgen.py"]
+    assert set(atari) - set(procgen) == ONLY["ppg_atari.py"]
+    differ = sorted(name for name in set(procgen) & set(atari) if procgen[name] != atari[name])
+    unexpected = [name for name in differ if name not in DIFFER]
+    assert not unexpected, f"the scripts' texts of {unexpected} differ: make the change in both scripts"
+    assert differ == sorted(DIFFER), "a definition listed as differing by design is now the same: unlist it"
+    assert len(set(procgen) & set(atari)) - len(DIFFER) >= 50  # the rest, shared word for word
