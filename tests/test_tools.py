@@ -156,3 +156,34 @@ def test_benchmark_measures_fp32_with_tf32_off_after_its_sweep_and_at_the_chunks
     assert (0, True, True) in measured  # the sweep did set bf16's flag
     assert measured[-2:] == [(1024, False, False), (2048, False, False)]
     assert "chunk 1024: raw" in capsys.readouterr().out
+
+
+def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys):
+    """Every return and peak-memory figure of the README's Breakout table is what tools/summarise_run.py reads from
+    the event files in docs/logs (a seed's mean of its last 100 games; a method's mean of its two seeds)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec = importlib.util.spec_from_file_location("summarise_run", ROOT / "tools" / "summarise_run.py")
+    summarise = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarise)
+    readme = (ROOT / "README.md").read_text()
+    header = "| env steps | PPG seed 1 | PPG seed 2 | PPG mean | PPO seed 1 | PPO seed 2 | PPO mean |"
+    rows = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
+    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+    for column, method in ((0, "ppg"), (3, "ppo")):
+        seeds = []
+        for seed in (1, 2):
+            (run,) = (ROOT / "docs" / "logs").glob(f"BreakoutNoFrameskip-v4__{method}__{seed}__*")
+            monkeypatch.setattr(sys, "argv", ["summarise_run.py", str(run), "--at", "100000", "250000", "500000"])
+            summarise.main()
+            out = capsys.readouterr().out
+            returns = [float(line.split("mean return")[1].split()[0]) for line in out.splitlines() if "mean" in line]
+            seeds.append(returns)
+            for at, value in zip(("100k", "250k", "500k"), returns):
+                assert table[at][column + seed - 1] == f"{value:.2f}", (method, seed, at)
+            acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+            acc.Reload()
+            peak = max(e.value for e in acc.Scalars("charts/peak_memory_GiB"))
+            assert table["peak RSS"][column + seed - 1] == f"{peak:.2f} GiB", (method, seed)
+        for at, a, b in zip(("100k", "250k", "500k"), *seeds):
+            assert abs(float(table[at][column + 2]) - (a + b) / 2) <= 0.0051, (method, at)
