@@ -889,8 +889,8 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
         )
     run_dir = os.path.normpath(args.resume if os.path.isdir(args.resume) else os.path.dirname(args.resume) or ".")
     run_dir = os.path.abspath(run_dir) if os.path.basename(run_dir) in (".", "..") else run_dir  # a name to run under
-    if os.path.basename(run_dir) != state["run_name"]:  # a copied (or renamed) run folder is a run of its own:
-        state["wandb_id"] = None  # with --track, a W&B run under its name, not the original's
+    if os.path.basename(run_dir) != state["run_name"]:  # a folder copied or renamed under another name is a run
+        state["wandb_id"] = None  # of its own: with --track, a W&B run under its name, not the original's
     return dataclasses.replace(Args(**saved), **keep), state, run_dir
 
 

@@ -126,7 +126,7 @@ def test_a_resumed_run_keeps_its_wandb_id_and_a_copy_drops_it(name, tiny_run, tm
     state = script.load_checkpoint(str(run))
     script.save_checkpoint(str(run / "checkpoint.pt"), dict(state, wandb_id="abc123"))
     shutil.copytree(run, run.with_name(run.name + "_copy"))
-    for resume, kept in [(f"runs/{run.name}", True), (f"runs/{run.name}/checkpoint.pt", True), (".", True)]:
+    for resume in [f"runs/{run.name}", f"runs/{run.name}/checkpoint.pt", "."]:
         monkeypatch.chdir(run if resume == "." else tmp_path)
         _, ckpt, run_dir = script.resume_args(script.Args(resume=resume), given={"resume"})
         assert ckpt["wandb_id"] == "abc123" and os.path.basename(run_dir) == run.name, resume
