@@ -337,10 +337,10 @@ def test_a_signal_during_the_last_rollout_lets_the_run_finish(script, tmp_path, 
 
 def test_anneal_lr_survives_a_stop_and_a_raised_budget(tmp_path, monkeypatch, capfd):
     """--anneal-lr over 6 rollouts, stopped by SIGTERM in rollout 3 and resumed from the phase-1 checkpoint: every
-    rollout's rate (both optimizers; the aux phase takes its phase's last) is exactly CleanRL's lr (N - i + 1) / N of
+    rollout's rate (every optimizer; the aux phase takes its phase's last) is exactly CleanRL's lr (N - i + 1) / N of
     a run that never stopped. Then --total-timesteps raised to 8 rollouts: the line restarts at the last rate, r_6,
     and falls to 0 after rollout 8: r_6 (8 - i + 1) / 3."""
-    script, lr, rates = load_script("ppg_atari.py"), 2.5e-4, {"policy": [], "aux": []}
+    script, lr, rates = load_script("ppg_atari.py"), 2.5e-4, {"policy": [], "aux": [], "value": []}
     for kind, name in (("policy", "policy_phase_update"), ("aux", "auxiliary_phase")):  # each rate as it is used
         wrap(
             monkeypatch,
@@ -348,8 +348,12 @@ def test_anneal_lr_survives_a_stop_and_a_raised_budget(tmp_path, monkeypatch, ca
             name,
             before=lambda a, opt, *r, kind=kind: rates[kind].append(opt.param_groups[0]["lr"]),
         )
+    # the value epochs' Adam (used when E_pi != E_V) follows the same line: its rate as the update receives it
+    wrap(
+        monkeypatch, script, "policy_phase_update", before=lambda *a: rates["value"].append(a[5].param_groups[0]["lr"])
+    )
     sigterm_in_rollout(monkeypatch, script, 3)
-    got = {"policy": [], "aux": []}
+    got = {"policy": [], "aux": [], "value": []}
 
     def take():
         for kind in got:
@@ -364,11 +368,12 @@ def test_anneal_lr_survives_a_stop_and_a_raised_budget(tmp_path, monkeypatch, ca
     take()
     uninterrupted = [lr * (6 - i + 1) / 6 for i in range(1, 7)]
     assert got["policy"] == uninterrupted[:3] + uninterrupted[2:]  # rollout 3 ran twice: before the stop and after
+    assert got["value"] == got["policy"]
     assert got["aux"] == [uninterrupted[1], uninterrupted[3]]  # after rollouts 2 and 4 (none after the last)
     main_in_process(script, ["--resume", str(run), "--total-timesteps", "512"], tmp_path, monkeypatch)
     take()
     r6 = uninterrupted[-1]
-    assert got["policy"][-2:] == [r6 * (8 - i + 1) / 3 for i in (7, 8)]
+    assert got["policy"][-2:] == [r6 * (8 - i + 1) / 3 for i in (7, 8)] == got["value"][-2:]
     assert f"--anneal-lr: rate {r6:.3g} at rollout 6, falling to 0 after 8" in capfd.readouterr().out
     from conftest import read_scalars
 
