@@ -542,7 +542,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
 
             wandb.init(**config, id=ckpt and ckpt["wandb_id"], resume="allow", sync_tensorboard=True, save_code=True)
         except Exception as e:  # not installed (pip install wandb==0.31.0), not logged in (wandb login), ...
-            sys.exit(f"error: --track: {type(e).__name__}: {e}"[:300])
+            sys.exit(f"error: --track: {type(e).__name__}: {e} (pip install wandb==0.31.0; wandb login)"[:300])
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())

@@ -50,7 +50,7 @@ class Args:
     total_timesteps: int = 25_000_000  # env steps in all (rounded UP to whole rollouts; the count is printed)
     learning_rate: float = 5e-4  # Adam learning rate of both phases (constant, as in the paper)
     anneal_lr: bool = False  # if toggled, every optimizer's rate falls linearly to 0 over the run's rollouts (CleanRL)
-    num_envs: int = 64  # parallel envs (the paper's batch in one process: 256 with --aux-mb-trajectories 16)
+    num_envs: int = 64  # parallel envs (256, with 16 aux minibatch trajectories, is the paper's 4-worker batch)
     num_steps: int = 256  # steps per env in each rollout
     gamma: float = 0.999  # discount factor of GAE and the value targets
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
@@ -526,7 +526,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
 
             wandb.init(**config, id=ckpt and ckpt["wandb_id"], resume="allow", sync_tensorboard=True, save_code=True)
         except Exception as e:  # not installed (pip install wandb==0.31.0), not logged in (wandb login), ...
-            sys.exit(f"error: --track: {type(e).__name__}: {e}"[:300])
+            sys.exit(f"error: --track: {type(e).__name__}: {e} (pip install wandb==0.31.0; wandb login)"[:300])
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())

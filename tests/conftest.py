@@ -51,9 +51,9 @@ TINY_FLAGS = {
     "ppg_procgen.py": ["--env-id", "dodgeball", *_TINY],
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],
 }
-# The shared run's optional features: a model file; unseen-level evaluation (Procgen's alone) or, on Atari, the
-# reward normaliser (off by default there), so that a resume of the shared run restores a used normaliser; and a
-# seed near the top of its range, so that the evaluation's, a resumed phase's and tools/evaluate.py's seeds wrap.
+# The shared run's optional features: a model file; training levels (Procgen's alone) or, on Atari, the reward
+# normaliser (off by default there), so that a resume of the shared run restores a used normaliser; and a seed near
+# the top of its range, so that a resumed phase's and tools/evaluate.py's seeds wrap.
 TOP_SEED = 2**31 - 100
 SHARED_EXTRA = {
     "ppg_procgen.py": ["--save-model", "--num-levels", "10", "--seed", str(TOP_SEED)],
@@ -110,7 +110,7 @@ def aux_buffers(module, obs: torch.Tensor, returns: torch.Tensor, num_actions: i
 
 
 def random_batch(module, n: int, num_actions: int) -> dict:
-    """A rollout-shaped batch as main() hands it to policy_phase_update."""
+    """A rollout-shaped batch as main() hands it to policy_phase_update (the fields its loss reads)."""
     g = torch.Generator().manual_seed(0)
     return dict(
         obs=torch.randint(0, 256, (n, *module.OBS_SHAPE), dtype=torch.uint8, generator=g),
@@ -118,44 +118,6 @@ def random_batch(module, n: int, num_actions: int) -> dict:
         logprobs=torch.full((n,), -float(torch.log(torch.tensor(float(num_actions))))),
         advantages=torch.randn(n, generator=g),
         returns=torch.randn(n, generator=g),
-    )
-
-
-def dp_check_setup(module, workers: int):
-    """The same agent and data for one process on the whole batch and for each of `workers` processes on
-    its share: 32 states (4 trajectories of 8 steps); one policy-phase and one auxiliary minibatch each."""
-    args = module.Args(
-        num_envs=4 // workers,
-        num_steps=8,
-        n_pi=1,
-        num_minibatches=1,
-        e_aux=1,
-        aux_mb_trajectories=4 // workers,
-        micro_batch_size=0,
-        precision="fp32",
-        total_timesteps=10**6,
-        aux_kl_stop=0.0,
-    )
-    torch.manual_seed(0)
-    agent = module.PPGAgent("dual", module.OBS_SHAPE, 6)
-    g = torch.Generator().manual_seed(1)
-    obs_buffer = torch.randint(0, 256, (4, 8, *module.OBS_SHAPE), dtype=torch.uint8, generator=g)
-    returns_buffer, values = torch.randn(4, 8, generator=g), torch.randn(32, generator=g) * 3 + 1
-    return agent, args, random_batch(module, 32, 6), obs_buffer, returns_buffer, values
-
-
-def torchrun(workers: int, *argv: str, cwd, timeout: float = 240, **popen) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node workers argv...` (one thread a worker), bounded by a timeout
-    so that a hang fails the test instead of the suite."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers), *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **popen,
     )
 
 
@@ -192,14 +154,19 @@ def copy_run(run, cwd: pathlib.Path) -> pathlib.Path:
     return target
 
 
+def given_flags(flags) -> set:
+    """The flag names of a command line, as the scripts' __main__ block collects them for --resume."""
+    return {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in flags if a.startswith("--")}
+
+
 def refusal(script, flags, cwd, monkeypatch) -> str:
-    """What the command line `python SCRIPT flags...` stops with, in this process: parse_args and main() as the
-    __main__ block calls them. Asserts it stopped with one line before any run folder (env, buffer, log) existed,
-    and returns that line."""
+    """What the command line `python SCRIPT flags...` stops with, in this process: main() as the __main__ block calls
+    it. Asserts it stopped with one line before any run folder (env, buffer, log) existed, and returns that line."""
+    import tyro
+
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", [pathlib.Path(script.__file__).name, *flags])
     with pytest.raises(SystemExit) as stopped:
-        script.main(*script.parse_args())
+        script.main(tyro.cli(script.Args, args=list(flags)), given_flags(flags))
     message = str(stopped.value.code)
     assert message.startswith("error: ") and "\n" not in message, (flags, message)
     assert not (pathlib.Path(cwd) / "runs").exists(), flags
@@ -207,8 +174,8 @@ def refusal(script, flags, cwd, monkeypatch) -> str:
 
 
 def main_in_process(script, flags, cwd, monkeypatch):
-    """script.main(flags) in this process (so a test can patch the very functions it calls), in cwd, with the
-    signal handlers it installs put back afterwards. Returns what main() returns."""
+    """script.main(flags) in this process, as the __main__ block calls it (so a test can patch the very functions it
+    calls), in cwd, with the signal handlers it installs put back afterwards."""
     import signal
 
     import tyro
@@ -216,7 +183,7 @@ def main_in_process(script, flags, cwd, monkeypatch):
     monkeypatch.chdir(cwd)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return script.main(tyro.cli(script.Args, args=list(flags)))
+        return script.main(tyro.cli(script.Args, args=list(flags)), given_flags(flags))
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

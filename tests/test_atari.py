@@ -17,9 +17,9 @@ def test_env_id_styles_and_sticky_defaults():
     assert atari.ale_protocol("BreakoutNoFrameskip-v4") == ("ALE/Breakout-v5", 0.0, 30, True)
     # v5: Machado et al. 2018: sticky actions 0.25 and no no-op starts or FIRE on reset
     assert atari.ale_protocol("ALE/Breakout-v5") == ("ALE/Breakout-v5", 0.25, 0, False)
-    atari.check_env_args(atari.Args(env_id="ALE/Pong-v5"))
-    with pytest.raises(atari.ArgError, match="did you mean SpaceInvadersNoFrameskip-v4"):
-        atari.check_env_args(atari.Args(env_id="SpaceInvaderNoFrameskip-v4"))
+    atari.make_plan(atari.Args(env_id="ALE/Pong-v5"))
+    with pytest.raises(SystemExit, match="did you mean SpaceInvadersNoFrameskip-v4"):
+        atari.make_plan(atari.Args(env_id="SpaceInvaderNoFrameskip-v4"))
 
 
 def _play(clip_rewards: bool, episodic_life: bool, steps: int = 700):

@@ -1,33 +1,21 @@
-"""Runs that survive: checkpoints round-trip bitwise, a killed run resumes to exactly its planned
-step count, SIGTERM stops cleanly, a NaN stops the run before it spoils a checkpoint, and bad input
-(truncated or foreign checkpoints, conflicting or non-finite flags) gets one line."""
+"""Runs that survive: a killed run resumes to exactly its planned step count, logging each step once; SIGTERM and
+Ctrl-C print the resume command and exit with 128 + the signal; a NaN stops the run before it spoils a checkpoint;
+bad input (truncated or foreign checkpoints, conflicting or non-finite flags) gets one line."""
 
 import dataclasses
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
-import tyro
 
-from conftest import (
-    ROOT,
-    SCRIPTS,
-    TINY_FLAGS,
-    TOP_SEED,
-    copy_run,
-    load_script,
-    main_in_process,
-    random_batch,
-    refusal,
-    run_script,
-)
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, copy_run, load_script, main_in_process, refusal, run_script
 
 # 4 rollouts of 64 steps in 2 phases of N_pi = 2: long enough to be stopped between its two checkpoints.
 LONG = ["--total-timesteps", "256"]
@@ -55,51 +43,68 @@ def wait_for_checkpoint(proc, cwd, timeout=120) -> pathlib.Path:
     raise AssertionError("no checkpoint appeared")
 
 
+def checkpoint(path) -> dict:
+    return torch.load(pathlib.Path(path) / "checkpoint.pt", weights_only=True)
+
+
+def scalars_with_steps(run_dir, tag: str) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)], acc
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monkeypatch, capsys):
     proc = start(name, tmp_path)
-    checkpoint = wait_for_checkpoint(proc, tmp_path)
+    saved = wait_for_checkpoint(proc, tmp_path)
     proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 2 of 2, however fast the machine)
-    assert load_script(name).load_checkpoint(str(checkpoint))["phase"] < 2
+    assert checkpoint(saved.parent)["phase"] < 2
     proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
-    main_in_process(
-        load_script(name), ["--resume", str(checkpoint.parent)], tmp_path, monkeypatch
-    )  # no need of a process
+    main_in_process(load_script(name), ["--resume", str(saved.parent)], tmp_path, monkeypatch)
     assert "resumed from" in capsys.readouterr().out
-    state = load_script(name).load_checkpoint(str(checkpoint))
+    state = checkpoint(saved.parent)
     assert state["global_step"] == 256 and state["phase"] == 2
     # the stopped run's steps after its checkpoint are purged: each rollout is logged exactly once
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(checkpoint.parent), size_guidance={"scalars": 0})
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("losses/policy_loss")] == list(range(64, 257, 64))
-    assert len(list(checkpoint.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
-    assert len(acc.Tensors("hyperparameters/text_summary")) == 1  # the flags were written once, not again on resume
+    steps, acc = scalars_with_steps(saved.parent, "losses/policy_loss")
+    assert steps == list(range(64, 257, 64))
+    assert [e.step for e in acc.Scalars("aux/clone_kl")] == [1, 2]  # one aux phase of E_aux = 2 epochs, once
+    assert len(list(saved.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
 
 
-@pytest.mark.parametrize("name", ["ppg_procgen.py"])  # ppg_atari.py's: test_distributed's SIGTERM to one worker
-def test_sigterm_stops_at_a_rollout_boundary_with_the_resume_command(name, tmp_path):
+@pytest.mark.parametrize("name, signum", [("ppg_procgen.py", signal.SIGTERM), ("ppg_atari.py", signal.SIGINT)])
+def test_sigterm_and_ctrl_c_print_the_resume_command_and_exit_128_plus_the_signal(name, signum, tmp_path):
     proc = start(name, tmp_path, "--total-timesteps", str(10**6))  # far too long to finish before the signal
-    checkpoint = wait_for_checkpoint(proc, tmp_path)
-    proc.send_signal(signal.SIGTERM)
+    saved = wait_for_checkpoint(proc, tmp_path)
+    time.sleep(0.5)  # past the rename: the checkpoint is whole
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
-    assert "Traceback" not in err
-    assert f"resume with: python {name} --resume runs/{checkpoint.parent.name}" in out
-    state = load_script(name).load_checkpoint(str(checkpoint))
-    assert 1 <= state["phase"] and state["global_step"] < 10**6
-    stopped = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0].replace(",", ""))
-    assert stopped % 64 == 0 and stopped >= state["global_step"]  # at a rollout boundary, after the checkpoint
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"stopped by {signal.Signals(signum).name}; resume with: python {name} --resume " in out
+    assert out.strip().endswith(f"runs/{saved.parent.name}")
+    state = checkpoint(saved.parent)
+    assert state["phase"] >= 1 and state["global_step"] < 10**6
+
+
+def test_a_signal_before_the_first_checkpoint_says_there_is_none(tmp_path, monkeypatch, capfd):
+    """SIGTERM during the first rollout (in this process, at its GAE): exit 143, and no resume command."""
+    script = load_script("ppg_procgen.py")
+    real = script.compute_gae
+    monkeypatch.setattr(script, "compute_gae", lambda *a: os.kill(os.getpid(), signal.SIGTERM) or real(*a))
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(script, TINY_FLAGS["ppg_procgen.py"], tmp_path, monkeypatch)
+    assert stopped.value.code == 143
+    assert "stopped by SIGTERM; no checkpoint had been written yet" in capfd.readouterr().out
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_resume_of_a_copied_run_writes_into_the_copy(name, tiny_run, tmp_path, monkeypatch, capsys):
-    """--resume runs/X_copy continues in runs/X_copy: the original run folder is left as it was."""
-    import shutil
-
+    """--resume runs/X_copy continues in runs/X_copy: the original run folder is left as it was. The shared run's seed
+    is 2^31 - 100, so the resumed phase's seed (shifted by the phases done) wraps below 2^31 and the run trains on."""
     run = copy_run(tiny_run(name), tmp_path)
     copy = run.with_name(run.name + "_copy")
     shutil.copytree(run, copy)
@@ -108,111 +113,45 @@ def test_resume_of_a_copied_run_writes_into_the_copy(name, tiny_run, tmp_path, m
         load_script(name), ["--resume", f"runs/{copy.name}", "--total-timesteps", "320"], tmp_path, monkeypatch
     )
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # the original: untouched
-    assert load_script(name).load_checkpoint(str(copy))["global_step"] == 320
-    out = capsys.readouterr().out
-    assert len(list(copy.glob("events.out.tfevents.*"))) == 2 and f"resumed from runs/{copy.name}/" in out
-    # the shared run's seed is 2^31 - 100: the resumed phase's seed wraps (said in one line) and the run trains on;
-    # on Procgen its unseen-level evaluation (seed + 1,000,003) wrapped in the shared run and does again here
-    assert f"seed: --seed {TOP_SEED:,} + 200,006 (phases done, worker) wraps around to " in out
+    assert checkpoint(copy)["global_step"] == 320
+    assert len(list(copy.glob("events.out.tfevents.*"))) == 2 and f"resumed from {copy}/" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_a_resumed_run_keeps_its_wandb_id_and_a_copy_drops_it(name, tiny_run, tmp_path, monkeypatch):
-    """resume_args: the run's own folder, named as a folder, as its checkpoint file or as "." from inside it, keeps
-    the W&B id (and its run name); a copy under another name is a run of its own, with no W&B id."""
-    import shutil
-
-    script, run = load_script(name), copy_run(tiny_run(name), tmp_path)
-    state = script.load_checkpoint(str(run))
-    script.save_checkpoint(str(run / "checkpoint.pt"), dict(state, wandb_id="abc123"))
-    shutil.copytree(run, run.with_name(run.name + "_copy"))
-    for resume in [f"runs/{run.name}", f"runs/{run.name}/checkpoint.pt", "."]:
-        monkeypatch.chdir(run if resume == "." else tmp_path)
-        _, ckpt, run_dir = script.resume_args(script.Args(resume=resume), given={"resume"})
-        assert ckpt["wandb_id"] == "abc123" and os.path.basename(run_dir) == run.name, resume
-    monkeypatch.chdir(tmp_path)
-    _, ckpt, run_dir = script.resume_args(script.Args(resume=f"runs/{run.name}_copy"), given={"resume"})
-    assert ckpt["wandb_id"] is None and run_dir == f"runs/{run.name}_copy"
-
-
-def test_checkpoint_round_trip_is_bitwise(script, tmp_path):
-    args = script.Args(num_envs=2, num_steps=8, num_minibatches=2, micro_batch_size=0)
-    torch.manual_seed(0)
-    agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
-    opts = [torch.optim.Adam(agent.parameters(), lr=1e-3) for _ in range(2)]
-    script.policy_phase_update(agent, opts[0], random_batch(script, 16, 6), args, script.make_plan(args))
-    normalizer = script.RewardNormalizer(2, 0.99)
-    normalizer(np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32), np.zeros((2, 8), dtype=bool))
-    path = str(tmp_path / "checkpoint.pt")
-    script.save_checkpoint(
-        path,
-        dict(
-            script.model_file(args, "run", agent),
-            policy_optimizer=opts[0].state_dict(),
-            aux_optimizer=opts[1].state_dict(),
-            reward_normalizer=normalizer.state_dict(),
-        ),
-    )
-    state = script.load_checkpoint(path)
-    assert script.Args(**state["args"]) == args
-    restored = script.PPGAgent("dual", script.OBS_SHAPE, 6)
-    restored.load_state_dict(state["agent"])
-    assert all(torch.equal(a, b) for a, b in zip(agent.state_dict().values(), restored.state_dict().values()))
-    opt = torch.optim.Adam(restored.parameters(), lr=1e-3)
-    opt.load_state_dict(state["policy_optimizer"])
-    for a, b in zip(opts[0].state.values(), opt.state.values()):
-        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
-    other = script.RewardNormalizer(2, 0.99)
-    other.load_state_dict(state["reward_normalizer"])
-    assert (other.mean, other.var, other.count) == (normalizer.mean, normalizer.var, normalizer.count)
-    assert not other.ret.any() and normalizer.ret.any()  # running returns are the envs' and restart with them
-
-
-def test_bad_checkpoints_and_conflicting_flags_get_one_line(tmp_path, monkeypatch):
-    procgen, atari = load_script("ppg_procgen.py"), load_script("ppg_atari.py")
-    torch.manual_seed(0)
-    path = tmp_path / "checkpoint.pt"
-    args = procgen.Args(num_envs=4)
-    procgen.save_checkpoint(str(path), procgen.model_file(args, "run", procgen.PPGAgent("dual", procgen.OBS_SHAPE, 15)))
+def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, monkeypatch):
+    procgen = load_script("ppg_procgen.py")
+    run = copy_run(tiny_run("ppg_procgen.py"), tmp_path)
+    path, state = run / "checkpoint.pt", checkpoint(run)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    torch.save(dict(state, args=dict(state["args"], num_eval_envs=64)), tmp_path / "later.pt")  # a later version's
+    torch.save(dict(state["agent"]), tmp_path / "weights.pt")  # not a checkpoint at all
     cases = [
-        (["--resume", str(truncated)], "not a readable checkpoint"),
-        (["--resume", str(tmp_path / "missing.pt")], "no such file"),
-        (["--resume", str(path), "--num-envs", "8"], "--num-envs 8 conflicts with the checkpoint's 4"),
-        (["--resume", str(path), "--arch", "detach"], "--arch detach conflicts"),
-        (["--resume", str(path), "--total-timesteps", "1000"], "--total-timesteps may only be raised"),
+        (["--resume", str(truncated)], "not a readable checkpoint of ppg_procgen.py"),
+        (["--resume", str(tmp_path / "missing.pt")], "not a readable checkpoint of ppg_procgen.py (FileNotFoundError"),
+        (["--resume", str(tmp_path / "weights.pt")], "not a readable checkpoint of ppg_procgen.py (KeyError"),
+        (["--resume", str(tmp_path / "later.pt")], "with flags this one lacks: ['num_eval_envs']"),
+        (["--resume", str(run), "--num-envs", "8"], "--num-envs 8: a resumed run keeps its flags (2)"),
+        (["--resume", str(run), "--arch", "detach"], "--arch detach: a resumed run keeps its flags (dual)"),
+        (["--resume", str(run), "--total-timesteps", "100"], "--total-timesteps may only be raised on --resume"),
+        (["--resume", str(run), "--num-envs", "64"], "--num-envs 64: a resumed run keeps"),  # a default, but given
     ]
+    elsewhere = tmp_path / "elsewhere"  # a folder with no runs/ yet: the refusals must not make one
+    elsewhere.mkdir()
     for flags, needle in cases:  # in this process, as the command line would stop
-        assert needle in refusal(procgen, flags, tmp_path, monkeypatch), flags
-    proc = run_script("ppg_procgen.py", *cases[0][0], cwd=tmp_path, timeout=60)  # and one as a user meets it
+        assert needle in refusal(procgen, flags, elsewhere, monkeypatch), flags
+    proc = run_script("ppg_atari.py", "--resume", str(run), cwd=elsewhere, timeout=60)  # and one as a user meets it
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and len(errors) == 1 and cases[0][1] in errors[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    with pytest.raises(atari.ArgError, match="written by ppg_procgen.py, not by ppg_atari.py"):
-        atari.load_checkpoint(str(path))
-    old = dict(torch.load(path, weights_only=True), format=0)
-    torch.save(old, tmp_path / "old.pt")
-    with pytest.raises(procgen.ArgError, match="format 0"):
-        procgen.load_checkpoint(str(tmp_path / "old.pt"))
-    other = dict(torch.load(path, weights_only=True))  # written by a version with a flag this one lacks
-    other["args"] = dict(other["args"], num_eval_envs=64)
-    torch.save(other, tmp_path / "other.pt")
-    with pytest.raises(procgen.ArgError, match=r"with flags this one lacks \(num_eval_envs\)"):
-        procgen.load_checkpoint(str(tmp_path / "other.pt"))
-    # flags that do not change what is trained may be given
-    resumed, _, _ = procgen.resume_args(procgen.Args(resume=str(path), total_timesteps=10**8, micro_batch_size=64))
-    assert resumed.num_envs == 4 and resumed.total_timesteps == 10**8 and resumed.micro_batch_size == 64
-    # the flags named on the command line count, also at their default values (the __main__ block passes them)
-    no_cuda = tmp_path / "no_cuda.pt"
-    procgen.save_checkpoint(
-        str(no_cuda),
-        procgen.model_file(procgen.Args(cuda=False, e_aux=0), "run", procgen.PPGAgent("dual", procgen.OBS_SHAPE, 15)),
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert (
+        len(errors) == 1
+        and "not a readable checkpoint of ppg_atari.py (ValueError: written by ppg_procgen.py" in errors[0]
     )
-    resumed, _, _ = procgen.resume_args(procgen.Args(resume=str(no_cuda), cuda=True), given={"resume", "cuda"})
-    assert resumed.cuda and resumed.e_aux == 0
-    with pytest.raises(procgen.ArgError, match="--e-aux 6 conflicts with the checkpoint's 0"):
-        procgen.resume_args(procgen.Args(resume=str(no_cuda), e_aux=6), given={"resume", "e_aux"})
+    # the flags a resume may give, at any value (given: as the command line names them; None: those off defaults)
+    resumed, _, run_dir = procgen.resume_args(procgen.Args(resume=str(run), total_timesteps=10**8, micro_batch_size=64))
+    assert resumed.num_envs == 2 and resumed.total_timesteps == 10**8 and resumed.micro_batch_size == 64
+    assert run_dir == str(run) and resumed.seed == state["args"]["seed"]
+    resumed, _, _ = procgen.resume_args(procgen.Args(resume=str(path), cuda=False), given={"resume", "cuda"})
+    assert not resumed.cuda and resumed.num_levels == 10
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -227,33 +166,44 @@ def test_a_checkpoint_from_before_a_new_flag_resumes_and_evaluates(name, tiny_ru
         del state["args"]["anneal_lr"]
         torch.save(state, file)
         out = run_tool(monkeypatch, capsys, str(file), "--episodes", "2", "--cpu")
-        assert f"{file}: written before --anneal-lr: default values taken" in out and "mean return" in out
+        assert "written before --anneal-lr: its default taken" in out and "mean return" in out
     main_in_process(load_script(name), ["--resume", str(run), "--total-timesteps", "256"], tmp_path, monkeypatch)
-    assert "written before --anneal-lr: default values taken" in capsys.readouterr().out
-    state = load_script(name).load_checkpoint(str(run))
+    assert "written before --anneal-lr: their defaults taken" in capsys.readouterr().out
+    state = checkpoint(run)
     assert state["global_step"] == 256 and state["args"]["anneal_lr"] is False
 
 
-def test_injected_nan_stops_the_run_and_leaves_the_last_checkpoint_intact(script, tmp_path, monkeypatch):
-    """value_loss turns NaN once the first checkpoint exists: the run stops in phase 2 with one line,
-    and the phase-1 checkpoint is still there, finite and loadable."""
-    saved = []
-    real_save, real_value_loss = script.save_checkpoint, script.value_loss
-    monkeypatch.setattr(script, "save_checkpoint", lambda path, state: saved.append(path) or real_save(path, state))
-    monkeypatch.setattr(script, "value_loss", lambda v, r: real_value_loss(v, r) * (math.nan if saved else 1.0))
-    monkeypatch.chdir(tmp_path)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    args = tyro.cli(script.Args, args=TINY_FLAGS[pathlib.Path(script.__file__).name] + LONG)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            script.main(args)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+@pytest.mark.parametrize("phase", ["policy", "auxiliary"])
+def test_a_nan_stops_the_run_in_one_line_and_leaves_the_last_checkpoint_intact(phase, tmp_path, monkeypatch):
+    """A loss turns NaN once the phase-1 checkpoint exists (policy: in rollout 3; auxiliary: a run with a second aux
+    phase): the run stops with one line, found on the means each update logs, and the phase-1 checkpoint is whole."""
+    script, rollouts = load_script("ppg_atari.py"), []
+    real_collect, real_loss = script.collect_rollout, script.policy_phase_loss
+    real_aux = script.aux_phase_loss
+    monkeypatch.setattr(script, "collect_rollout", lambda *a: rollouts.append(1) or real_collect(*a))
+
+    def poisoned(real):  # the loss, and its logged value_loss, NaN from rollout 3 on
+        def loss(*a):
+            total, stats = real(*a)
+            if len(rollouts) < 3:
+                return total, stats
+            return total * math.nan, dict(stats, value_loss=stats["value_loss"] * math.nan)
+
+        return loss
+
+    if phase == "policy":
+        monkeypatch.setattr(script, "policy_phase_loss", poisoned(real_loss))
+        flags = LONG
+    else:
+        monkeypatch.setattr(script, "aux_phase_loss", poisoned(real_aux))
+        flags = ["--total-timesteps", "320"]  # 5 rollouts: aux phases after rollouts 2 and 4
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(script, [*TINY_FLAGS["ppg_atari.py"], *flags], tmp_path, monkeypatch)
     message = str(stopped.value.code)
-    assert message.startswith("error: phase 2, iteration 3: non-finite gradient (value_loss); stopped before that step")
-    assert "\n" not in message
-    state = script.load_checkpoint(saved[0])
+    assert message.startswith("error: non-finite ") and f"in the {phase} phase" in message and "\n" not in message
+    assert "value_loss" in message
+    (run,) = (tmp_path / "runs").iterdir()
+    state = checkpoint(run)
     assert state["phase"] == 1 and all(torch.isfinite(v).all() for v in state["agent"].values())
 
 
@@ -262,5 +212,5 @@ def test_every_float_flag_must_be_finite(script):
     assert "learning_rate" in floats and "beta_clone" in floats and len(floats) >= 9
     for name in floats:
         for bad in (math.nan, math.inf, -math.inf):
-            with pytest.raises(script.ArgError, match=f"--{name.replace('_', '-')} must be a finite number"):
+            with pytest.raises(SystemExit, match=f"--{name.replace('_', '-')} must be a finite number"):
                 script.make_plan(script.Args(**{name: bad}))

@@ -77,23 +77,16 @@ def test_a_truncated_checkpoint_gets_one_line(tmp_path, tiny_run, monkeypatch, c
     assert line.startswith("error") and "truncated" in line and "\n" not in line
 
 
-def test_evaluate_takes_the_device_and_tf32_setting_from_the_script(tmp_path, tiny_run, monkeypatch, capsys):
-    """tools/evaluate.py picks its device with the script's own pick_device and the run's flags, so the policy is
-    evaluated at the run's --precision (fp32: TF32 off on GPUs), not at PyTorch's default TF32 convolutions."""
-    spec = importlib.util.spec_from_file_location("evaluate_tool", ROOT / "tools" / "evaluate.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    real_load, calls = tool.load_script, []
+def test_evaluate_takes_the_tf32_setting_from_the_run(tmp_path, tiny_run, monkeypatch, capsys):
+    """The policy is evaluated at the run's --precision, as the scripts set it: TF32 off unless the run asked for it
+    (PyTorch's own default runs cuDNN convolutions in TF32)."""
+    import torch
 
-    def load_script(name):
-        module = real_load(name)
-        real_pick = module.pick_device
-        module.pick_device = lambda args: calls.append(args) or real_pick(args)
-        return module
-
-    monkeypatch.setattr(tool, "load_script", load_script)
     run_dir = copy_run(tiny_run("ppg_atari.py"), tmp_path)
-    monkeypatch.setattr(sys, "argv", ["evaluate.py", str(run_dir / "checkpoint.pt"), "--episodes", "1", "--cpu"])
-    tool.main()
-    (args,) = calls
-    assert args.precision == "fp32" and args.cuda is False and "on cpu" in capsys.readouterr().out
+    path = run_dir / "checkpoint.pt"
+    for precision in ("tf32", "fp32"):
+        state = torch.load(path, weights_only=True)
+        torch.save(dict(state, args=dict(state["args"], precision=precision)), path)
+        out = run_tool(monkeypatch, capsys, str(path), "--episodes", "1", "--cpu")
+        assert torch.backends.cudnn.allow_tf32 == (precision == "tf32") == torch.backends.cuda.matmul.allow_tf32
+        assert "on cpu" in out

@@ -29,10 +29,17 @@ def test_the_suite_is_cpu_only():
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_tiny_run_on_a_gpu(name, precision, tmp_path):
+    """A tiny run on CUDA at each precision, then its --resume with a raised budget (the checkpoint's tensors were
+    saved from the GPU and load back onto it)."""
     argv = [sys.executable, str(ROOT / name), *TINY_FLAGS[name], "--precision", precision]
     done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert " on cuda:0:" in done.stdout and f"precision {precision}; " in done.stdout
+    assert " on cuda:" in done.stdout and f"precision {precision}" in done.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    argv = [sys.executable, str(ROOT / name), "--resume", str(run_dir), "--total-timesteps", "256"]
+    done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
     scalars = read_scalars(tmp_path)
-    for tag in ("losses/policy_loss", "losses/value_loss", "aux/joint_loss", "timing/rollout_s"):
+    for tag in ("losses/policy_loss", "losses/value_loss", "aux/joint_loss", "charts/SPS"):
         assert scalars[tag] and all(math.isfinite(v) for v in scalars[tag]), tag
+    assert len(scalars["losses/value_loss"]) == 4

@@ -33,17 +33,20 @@ def make_agent(module, arch, seed=0):
 
 
 def test_seed_worked_example(script):
-    """ppg-seed.txt: logits [1,0] -> [1.1,-0.1], V_aux 2.50 vs target 3.50."""
+    """ppg-seed.txt: logits [1,0] -> [1.1,-0.1], V_aux 2.50 vs target 3.50, through aux_phase_loss itself."""
     old = torch.tensor([[1.0, 0.0]])
     new = torch.tensor([[1.1, -0.1]])
-    joint, l_aux, l_clone = script.aux_joint_loss(torch.tensor([2.5]), torch.tensor([3.5]), old, new, beta_clone=1.0)
+    out = script.AgentOutput(logits=new, value=torch.tensor([3.5]), aux_value=torch.tensor([2.5]), features=None)
+    loss, stats = script.aux_phase_loss(out, dict(returns=torch.tensor([3.5]), pi_old_logits=old), script.Args())
+    joint, l_aux, l_clone = stats["joint_loss"], stats["aux_value_loss"], stats["clone_kl"]
+    assert float(loss) == float(joint) and float(stats["value_loss"]) == 0.0  # V = V_hat: L_value is 0
     assert round(float(l_aux), 4) == 0.5000
     assert round(float(l_clone), 4) == 0.0038
     assert round(float(joint), 4) == 0.5038
     # KL(old || new), not KL(new || old): to 4 decimals 0.0038 against 0.0037, and exactly the formula's value
     p, q = torch.softmax(old, -1)[0].double(), torch.softmax(new, -1)[0].double()
     assert float(l_clone) == pytest.approx(float((p * (p / q).log()).sum()), abs=1e-7)
-    assert round(float(script.clone_kl(new, old)), 4) == 0.0037
+    assert round(float(script.policy_kl(new, old)), 4) == 0.0037
 
 
 def test_gae_with_episode_boundary(script):
@@ -61,9 +64,13 @@ def test_ppo_clipped_loss(script):
     actions = torch.tensor([0, 0])
     old_logprobs = torch.log(torch.tensor([0.5 / 1.5, 0.5 / 0.5]))  # ratios 1.5 and 0.5
     advantages = torch.tensor([1.0, -1.0])
-    loss, entropy, approx_kl, clipfrac = script.ppo_policy_loss(logits, actions, old_logprobs, advantages, 0.2)
+    out = script.AgentOutput(logits=logits, value=None, aux_value=None, features=None)
+    mb = dict(actions=actions, logprobs=old_logprobs, advantages=advantages)
+    loss, stats = script.policy_phase_loss(out, mb, script.Args(clip_coef=0.2, ent_coef=0.01), terms=("policy",))
+    entropy, approx_kl, clipfrac = stats["entropy"], stats["approx_kl"], stats["clipfrac"]
     # state 0: min(1.5, 1.2) * 1 = 1.2 -> -1.2;  state 1: max(0.5, 0.8) * 1 -> 0.8
-    assert float(loss) == pytest.approx((-1.2 + 0.8) / 2)
+    assert float(stats["policy_loss"]) == pytest.approx((-1.2 + 0.8) / 2)
+    assert float(loss) == pytest.approx((-1.2 + 0.8) / 2 - 0.01 * math.log(2)) and "value_loss" not in stats
     assert float(entropy) == pytest.approx(math.log(2))
     assert float(clipfrac) == 1.0
     k3 = ((1.5 - 1) - math.log(1.5) + (0.5 - 1) - math.log(0.5)) / 2
@@ -137,36 +144,27 @@ def test_reward_normalizer_scales_a_rollout_by_statistics_that_include_it(script
     assert np.allclose(out, rewards / np.sqrt(var + 1e-8)) and out[0, 0] == pytest.approx(0.894, abs=1e-3)
 
 
-def test_fp32_is_the_default_and_the_chunk_is_resolved_where_the_run_starts(script):
-    """--micro-batch-size None stays None in the flags (so in every checkpoint) and resolves on each device: the
-    CPU's measured best there, whole minibatches on a GPU; a given size is kept everywhere."""
-    args = script.Args(cuda=False)
-    assert script.pick_device(args).type == "cpu" and args.precision == "fp32" and args.micro_batch_size is None
-    assert script.micro_batch(args, torch.device("cpu")) == script.CPU_MICRO_BATCH
-    assert script.micro_batch(args, torch.device("cuda")) == 0  # resolved without touching a GPU
-    for device in ("cpu", "cuda"):
-        assert script.micro_batch(script.Args(micro_batch_size=64), torch.device(device)) == 64
+def test_the_plan_line_gives_every_derived_count(script, tmp_path, monkeypatch, capsys):
+    """Defaults aside, every count printed: phases, rollouts, env steps (rounded up, and saying so), minibatch sizes,
+    aux phases, B's size; tf32 on a CPU says it is plain fp32 (the checksum configs pA and pT agree bit for bit), and
+    --micro-batch-size None resolves to 256 states on a CPU (main() keeps the resolved size in the checkpoint)."""
 
+    class Planned(Exception):
+        pass
 
-def test_the_flags_keep_the_chunk_as_given_and_tf32_on_a_cpu_is_plain_fp32(script, capsys):
-    """prepare() returns the flags main() checkpoints: --micro-batch-size stays None (resolved at each start). On a
-    CPU, --precision tf32 says in the plan line that it runs as fp32 (the checksum configs pA and pT agree)."""
-    small = dict(num_envs=2, num_steps=8, n_pi=2, num_minibatches=1, aux_mb_trajectories=2, total_timesteps=64)
-    args, _, _, device, plan, memory = script.prepare(script.Args(precision="tf32", cuda=False, **small), set(), 1)
-    assert args.micro_batch_size is None and device.type == "cpu"
-    script.print_plan(args, plan, "run", device, 1, 2, 2, memory)
+    env_class = "ProcgenVecEnv" if script.SCRIPT == "ppg_procgen.py" else "AtariVecEnv"
+    monkeypatch.setattr(script, env_class, lambda *a, **k: (_ for _ in ()).throw(Planned()))
+    from conftest import main_in_process
+
+    flags = ["--num-envs", "4", "--num-steps", "8", "--n-pi", "3", "--total-timesteps", "300", "--precision", "tf32"]
+    with pytest.raises(Planned):
+        main_in_process(script, [*flags, "--num-minibatches", "2", "--aux-mb-trajectories", "2"], tmp_path, monkeypatch)
     out = capsys.readouterr().out
-    assert (
-        "precision tf32 (a CPU has no TF32: plain fp32" in out and f"chunks of {script.CPU_MICRO_BATCH} states" in out
-    )
-
-
-def test_workers_reduce_through_nccl_only_when_each_has_a_gpu_of_its_own(script):
-    """join_workers' rule, from each worker's GPU UUID (None: a CPU): whether each worker sees every GPU or only its
-    own (as launchers under SLURM do), distinct GPUs mean nccl; a shared GPU or a CPU means gloo."""
-    assert script.own_gpus(["GPU-1a2b", "GPU-3c4d"])
-    assert not script.own_gpus(["GPU-1a2b", "GPU-1a2b"]) and not script.own_gpus(["GPU-1a2b", "GPU-3c4d", "GPU-1a2b"])
-    assert not script.own_gpus([None, None]) and not script.own_gpus(["GPU-1a2b", None])
+    assert "4 phases, N_pi=3: 10 rollouts of 4 envs x 8 steps = 320 env steps (--total-timesteps rounded up" in out
+    assert "3 auxiliary phases; PPO minibatch 16 states, aux minibatch 16" in out
+    assert "precision tf32 (a CPU has no TF32: plain fp32); chunks of 256 states" in out
+    frame_bytes = 3 * 4 * 8 * math.prod(script.OBS_SHAPE)  # B: N_pi x num_envs trajectories of 8 steps
+    assert f"buffers {frame_bytes / 2**30:.2f} GiB" in out
 
 
 @pytest.mark.parametrize("arch", ["dual", "shared"])
@@ -179,31 +177,15 @@ def test_bf16_gradients_point_the_same_way(script, arch):
         agent.bf16 = bf16
         batch = random_batch(script, 64, A)
         out = agent(batch["obs"])
-        logits, values, aux_values = out.logits, out.value, out.aux_value
-        assert logits.dtype == values.dtype == aux_values.dtype == out.features.dtype == torch.float32
-        pg_loss, entropy, _, _ = script.ppo_policy_loss(
-            logits, batch["actions"], batch["logprobs"], batch["advantages"], 0.2
-        )
-        joint, _, _ = script.aux_joint_loss(
-            aux_values, batch["returns"], logits.detach() + 0.3 * torch.randn_like(logits), logits, 1.0
-        )
-        (pg_loss - 0.01 * entropy + script.value_loss(values, batch["returns"]) + joint).backward()
+        assert out.logits.dtype == out.value.dtype == out.aux_value.dtype == out.features.dtype == torch.float32
+        policy_loss, _ = script.policy_phase_loss(out, batch, script.Args())
+        old = dict(batch, pi_old_logits=out.logits.detach() + 0.3 * torch.randn_like(out.logits))
+        aux_loss, _ = script.aux_phase_loss(out, old, script.Args())
+        (policy_loss + aux_loss).backward()
         assert all(p.grad.dtype == torch.float32 for p in agent.parameters() if p.grad is not None)
         grads[bf16] = torch.cat([p.grad.flatten() for p in agent.parameters() if p.grad is not None])
     cosine = torch.nn.functional.cosine_similarity(grads[False], grads[True], dim=0)
     assert cosine >= 0.99, float(cosine)
-
-
-def test_eta_counts_the_aux_phase_before_one_has_run(script):
-    args = small_args(script, num_envs=4, num_steps=8, n_pi=2, e_aux=6, total_timesteps=32 * 10)
-    plan = script.make_plan(args)  # 10 rollouts of 32 states, 5 phases, 4 aux phases
-    # after 1 rollout: 1 s per rollout, of which 0.5 s update = 0.5/32 s per state and epoch
-    spent = dict(rollout=0.5, policy_update=0.5, snapshot=0.0, aux_epochs=0.0, aux_phases=0)
-    per_aux = 0.5 / 32 * plan.aux_slots * 32 * (6 + 1 / 3)
-    assert script.eta_seconds(args, plan, 1, 4, spent) == pytest.approx(9 * 1.0 + 4 * per_aux)
-    # once an aux phase has been timed, its measured cost replaces the estimate
-    spent = dict(rollout=1.0, policy_update=1.0, snapshot=2.0, aux_epochs=28.0, aux_phases=1)
-    assert script.eta_seconds(args, plan, 2, 3, spent) == pytest.approx(8 * 1.0 + 3 * 30.0)
 
 
 @pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
@@ -218,7 +200,7 @@ def test_chunked_gradients_equal_whole_minibatch(script, arch):
         pol_opt = torch.optim.SGD(agent.parameters(), lr=1e-3)
         aux_opt = torch.optim.SGD(agent.parameters(), lr=1e-3)
         torch.manual_seed(123)
-        stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args, script.make_plan(args))
+        stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args)
         obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
         aux = script.auxiliary_phase(agent, aux_opt, aux_buffers(script, obs_buf, torch.randn(4, 8)), args)
         results.append(([p.detach() - s for p, s in zip(agent.parameters(), start)], stats, aux))
@@ -231,23 +213,6 @@ def test_chunked_gradients_equal_whole_minibatch(script, arch):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-7)
 
 
-def _reached_per_step(agent, optimizer):
-    """For each optimizer step, the ids of the parameters a non-zero gradient reached in its backward passes
-    (hooks fire during backward; optimizer_step drops the gradients after each step, so they cannot be read then)."""
-    steps, current = [], set()
-    for p in agent.parameters():
-        p.register_hook(lambda g, p=p: current.add(id(p)) if torch.count_nonzero(g) else None)
-    step = optimizer.step
-
-    def counted_step(*args, **kwargs):
-        steps.append(set(current))
-        current.clear()
-        return step(*args, **kwargs)
-
-    optimizer.step = counted_step
-    return steps
-
-
 @pytest.mark.parametrize("arch", ["dual", "detach", "shared"])
 def test_policy_phase_aux_head_gets_no_gradient(script, arch):
     agent = make_agent(script, arch)
@@ -257,7 +222,7 @@ def test_policy_phase_aux_head_gets_no_gradient(script, arch):
     reached = []  # a hook on each head parameter records every gradient that reaches it
     for p in [*agent.aux_value_head.parameters(), *agent.pi_head.parameters()]:
         p.register_hook(lambda g, p=p: reached.append(p))
-    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args, script.make_plan(args))
+    script.policy_phase_update(agent, opt, random_batch(script, 16, A), args)
     assert not any(p is q for p in reached for q in agent.aux_value_head.parameters())
     assert all(torch.equal(b, p) for b, p in zip(before[:2], agent.aux_value_head.parameters()))
     assert all(any(p is q for q in reached) for p in agent.pi_head.parameters())  # while the policy did train
@@ -280,7 +245,7 @@ def test_policy_phase_runs_value_epochs_first_when_e_pi_differs_from_e_v(script,
     for name, opt in (("policy", policy_opt), ("value", value_opt)):
         opt.step = lambda *a, name=name, step=opt.step: (steps.append((name, set(current))), current.clear(), step())
     batch = random_batch(script, 16, A)
-    script.policy_phase_update(agent, policy_opt, batch, args, script.make_plan(args), value_opt)
+    script.policy_phase_update(agent, policy_opt, batch, args, value_opt)
     assert [name for name, _ in steps] == ["value"] * 2 * e_v + ["policy"] * 2 * e_pi
     value, trunk = {id(p) for p in agent.value_parameters()}, {id(p) for p in agent.pi_trunk.parameters()}
     for name, reached in steps:
@@ -296,9 +261,8 @@ def test_aux_phase_each_loss_touches_only_its_network(script, arch):
     obs = random_obs(script, 6)
     targets = torch.randn(6)
     old = torch.randn(6, A)
-    out = agent(obs)
-    joint, _, _ = script.aux_joint_loss(out.aux_value, targets, old, out.logits, beta_clone=1.0)
-    l_value = script.value_loss(out.value, targets)
+    _, stats = script.aux_phase_loss(agent(obs), dict(returns=targets, pi_old_logits=old), script.Args())
+    joint, l_value = stats["joint_loss"], stats["value_loss"]
     pi_params, v_params = agent.policy_parameters(), agent.value_parameters()
     g_joint = torch.autograd.grad(joint, pi_params + v_params, retain_graph=True, allow_unused=True)
     g_value = torch.autograd.grad(l_value, pi_params + v_params, allow_unused=True)
@@ -389,8 +353,8 @@ def test_kl_guard_stops_aux_phase(script, capsys):
 def test_plan_counts_and_rounding(script):
     args = small_args(script, num_envs=4, num_steps=8, n_pi=3, total_timesteps=300)  # 32-step rollouts
     plan = script.make_plan(args)
-    assert plan.num_iterations == 10 and plan.total_env_steps == 320  # rounded up, never down
-    assert plan.num_aux_phases == 3  # 4 phases (3 + 3 + 3 + 1); none after the 10th (last) rollout
-    assert plan.aux_slots == 3 and plan.aux_minibatches == 3 * 4 // 2
+    assert plan["num_iterations"] == 10 and plan["num_phases"] == 4  # rounded up, never down: 3 + 3 + 3 + 1
+    assert plan["aux_phases"] == 3  # none after the 10th (last) rollout
+    assert plan["trajectories"] == 3 * 4  # B holds N_pi rollouts of whole trajectories
     no_aux = script.make_plan(small_args(script, e_aux=0))
-    assert no_aux.num_aux_phases == 0 and no_aux.aux_slots == 1
+    assert no_aux["aux_phases"] == 0 and no_aux["trajectories"] == 2  # B is one rollout's buffer

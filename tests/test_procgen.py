@@ -1,4 +1,4 @@
-"""What only ppg_procgen.py has: seeded level sequences and normalised scores."""
+"""What only ppg_procgen.py has: seeded level sequences; and the normalised scores of tools/scores.py."""
 
 import numpy as np
 import pytest
@@ -27,10 +27,14 @@ def test_same_seed_same_levels():
 
 
 def test_normalised_score_uses_the_mode_table():
-    assert procgen.normalised_score(procgen.Args(env_id="bigfish", distribution_mode="easy"), 40.0) == pytest.approx(
-        1.0
-    )
-    assert procgen.normalised_score(procgen.Args(env_id="bigfish", distribution_mode="hard"), 20.0) == pytest.approx(
-        0.5
-    )
-    assert set(procgen.NORMALISATION["easy"]) == set(procgen.PROCGEN_GAMES) == set(procgen.NORMALISATION["hard"])
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import scores
+
+    assert scores.normalised_score("bigfish", "easy", 40.0) == pytest.approx(1.0)
+    assert scores.normalised_score("bigfish", "hard", 20.0) == pytest.approx(0.5)
+    assert scores.normalised_score("starpilot", "hard", 1.5) == 0.0
+    assert set(scores.NORMALISATION["easy"]) == set(procgen.PROCGEN_GAMES) == set(scores.NORMALISATION["hard"])

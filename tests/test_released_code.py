@@ -420,7 +420,7 @@ def test_policy_phase_update(rel, script, arch):
     d, args = make_data(script), make_args(script)
     before = {n: p.detach().clone() for n, p in agent.named_parameters()}
     ours = rs.RecordingAdam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # as main() builds it
-    stats = script.policy_phase_update(agent, ours, flat_batch(d), args, script.make_plan(args))
+    stats = script.policy_phase_update(agent, ours, flat_batch(d), args)
     theirs = rs.RecordingAdam(model.parameters(), lr=args.learning_rate)  # as the released ppo.learn builds it
     losses, diags = released_policy_losses(rel, model, d, args)
     theirs.zero_grad()

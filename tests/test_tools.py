@@ -86,28 +86,15 @@ def test_plot_runs_draws_a_png(tmp_path):
 def test_benchmark_reports_raw_speed_and_the_loop_efficiency(tmp_path):
     """tools/benchmark.py on the smallest Atari config that still has the default envs and an aux phase (3 rollouts
     of 8 x 32 steps, one aux phase of 2 epochs; raw speed measured on the training's own 64-state chunks): the
-    script's own main() runs, and the efficiency it prints is the achieved over the raw forward+backward speed."""
+    script's own main() runs, timed from outside, and the efficiency it prints is the achieved over the raw speed."""
     import os
     import re
 
     env = dict(os.environ, OMP_NUM_THREADS="2")
+    flags = ["--cpu", "--micro-batch-size", "64", "--set", "n-pi=2", "--set", "num-steps=32"]
+    flags += ["--set", "total-timesteps=768", "--set", "e-aux=2"]
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "benchmark.py"),
-            "ppg_atari.py",
-            "--cpu",
-            "--micro-batch-size",
-            "64",
-            "--set",
-            "n-pi=2",
-            "--set",
-            "num-steps=32",
-            "--set",
-            "total-timesteps=768",
-            "--set",
-            "e-aux=2",
-        ],
+        [sys.executable, str(ROOT / "tools" / "benchmark.py"), "ppg_atari.py", *flags],
         capture_output=True,
         text=True,
         timeout=600,
@@ -121,41 +108,37 @@ def test_benchmark_reports_raw_speed_and_the_loop_efficiency(tmp_path):
     efficiency = re.search(r"efficiency .*: policy update ([\d.]+), aux epochs ([\d.]+)", out).groups()
     assert float(efficiency[0]) == pytest.approx(update / raw, abs=0.006)
     assert float(efficiency[1]) == pytest.approx(aux / raw, abs=0.006)
-    assert 0.1 < float(efficiency[1]) < 3 and "whole-phase env steps/s" in out
+    assert 0.1 < float(efficiency[1]) < 3
+    pattern = r"first phase ([\d.]+) s: rollouts ([\d.]+) s, policy updates ([\d.]+) s, aux phase ([\d.]+) s"
+    phase, *parts = map(float, re.search(pattern, out).groups())
+    assert sum(parts) - 0.02 <= phase <= sum(parts) + 0.5  # its parts (each rounded), and the little between them
+    steps_per_s = float(re.search(r"whole-phase env steps/s ([\d.]+)", out).group(1))
+    assert steps_per_s == pytest.approx(2 * 8 * 32 / phase, rel=0.01)  # N_pi rollouts over the first phase
 
 
-def test_benchmark_measures_fp32_with_tf32_off_after_its_sweep_and_at_the_chunks_training_runs(monkeypatch, capsys):
-    """--sweep sets each precision's TF32 flag in turn (as on a GPU, simulated here): the figures measured after it
-    run with fp32's setting again, not bf16's. With whole minibatches, raw speed is measured at both chunks training
-    runs (Procgen's scaled run: 2,048-state PPO minibatches, 1,024-state aux minibatches)."""
-    import importlib.util
-
+def test_benchmark_measures_raw_speed_at_the_chunks_training_runs(monkeypatch, capsys):
+    """With whole minibatches, raw speed is measured at both chunks training runs (Procgen's scaled run: 2,048-state
+    PPO minibatches, 1,024-state aux minibatches), each with the TF32 setting the script makes for the precision."""
     import torch
 
     spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    script, measured = bench.load("ppg_procgen.py"), []
-    real_pick = script.pick_device
-
-    def pick_as_on_a_gpu(args):
-        torch.backends.cudnn.allow_tf32 = args.precision != "fp32"  # what pick_device does where a GPU is
-        return real_pick(args)
+    measured = []
 
     def raw_speed(module, agent, device, chunk, states=2048):
         measured.append((chunk, agent.bf16, torch.backends.cudnn.allow_tf32))
         return {"forward": 1.0, "forward+backward": 1.0}
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)  # put back afterwards
-    monkeypatch.setattr(script, "pick_device", pick_as_on_a_gpu)
-    monkeypatch.setattr(bench, "load", lambda name: script)
     monkeypatch.setattr(bench, "raw_speed", raw_speed)
-    argv = ["benchmark.py", "ppg_procgen.py", "--cpu", "--sweep", "--no-train", "--micro-batch-size", "0"]
-    monkeypatch.setattr(sys, "argv", argv)
-    bench.main()
-    assert (0, True, True) in measured  # the sweep did set bf16's flag
-    assert measured[-2:] == [(1024, False, False), (2048, False, False)]
-    assert "chunk 1024: raw" in capsys.readouterr().out
+    for precision, tf32 in (("tf32", True), ("fp32", False)):  # (fp32 last: the matmul flag is left off)
+        argv = ["benchmark.py", "ppg_procgen.py", "--cpu", "--sweep", "--no-train", "--micro-batch-size", "0"]
+        monkeypatch.setattr(sys, "argv", [*argv, "--precision", precision])
+        bench.main()
+        assert (0, True, False) in measured  # the sweep's bf16
+        assert measured[-2:] == [(1024, False, tf32), (2048, False, tf32)]
+        assert "chunk 1024: raw" in capsys.readouterr().out
 
 
 def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys):

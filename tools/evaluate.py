@@ -2,14 +2,15 @@
 
     python tools/evaluate.py runs/{run_name}/checkpoint.pt --episodes 100 [--capture-video] [--seed 0] [--cpu]
 
-Takes a checkpoint or a --save-model file of ppg_procgen.py or ppg_atari.py, reads it with that
-script's own load_checkpoint, and rebuilds the network and the envs from the run's saved flags.
+Takes a checkpoint or a --save-model file of ppg_procgen.py or ppg_atari.py and rebuilds that script's network and
+envs from the run's saved flags (a flag added since the file was written takes its default, and one line says so).
 Actions are sampled from the policy, as in training (not its most likely action). Each of
 min(episodes, 64) envs plays a fixed share of the episodes, its first ones: taking whichever
 episodes end first would favour short ones. Returns are raw game scores; on Atari, whole games.
-Procgen: the run's training levels, then the full level distribution (unseen levels, as the
-script's evaluate()); a run on all levels (--num-levels 0) has one set. Env seeds differ from
-training's (the run's --seed + 2,000,003 + --seed here, wrapped below 2^31 as the scripts wrap seeds). Writes <checkpoint stem>.eval.json beside it.
+Procgen: the run's training levels, then the full level distribution (unseen levels); a run on all
+levels (--num-levels 0) has one set; returns are also given as Procgen-normalised scores (tools/scores.py).
+Env seeds differ from training's (the run's --seed + 2,000,003 + --seed here, wrapped below 2^31 as the
+scripts wrap seeds). Writes <checkpoint stem>.eval.json beside it.
 """
 
 import argparse
@@ -25,6 +26,9 @@ import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from scores import normalised_score  # noqa: E402
+
 SCRIPTS = ("ppg_procgen.py", "ppg_atari.py")
 
 
@@ -35,8 +39,8 @@ def load_script(name: str):
     return module
 
 
-def which_script(path: str) -> str:
-    """The "script" key of the file, or exit with one line saying why there is none."""
+def read_file(path: str) -> dict:
+    """The checkpoint or model file, or exit with one line saying why it cannot be read."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -46,10 +50,21 @@ def which_script(path: str) -> str:
     script = state.get("script") if isinstance(state, dict) else None
     if script not in SCRIPTS:
         sys.exit(f"error: {path}: written by {script or 'something else'}, not by {' or '.join(SCRIPTS)}")
-    missing = {"format", "run_name", "args", "agent"} - state.keys()
+    missing = {"run_name", "args", "agent"} - state.keys()
     if missing:
         sys.exit(f"error: {path}: not a whole checkpoint of {script}, it lacks {', '.join(sorted(missing))}")
-    return script
+    return state
+
+
+def run_args(module, state: dict, path: str):
+    """The run's flags as this version of the script has them: a flag added since takes its default (said in one
+    line); a flag this version lacks stops with one line."""
+    fields = [f.name for f in dataclasses.fields(module.Args)]
+    if unknown := sorted(set(state["args"]) - set(fields)):
+        sys.exit(f"error: {path}: written by a version of {module.SCRIPT} with flags this one lacks: {unknown}")
+    for name in (name for name in fields if name not in state["args"]):
+        print(f"{path}: written before --{name.replace('_', '-')}: its default taken")
+    return module.Args(**{k: v for k, v in state["args"].items()})
 
 
 def write_video(path: str, frames: list) -> None:
@@ -108,17 +123,12 @@ def main() -> None:
         parser.error("--seed must lie in [0, 2^31) (the envs take 31-bit seeds)")
 
     path = os.path.join(opts.checkpoint, "checkpoint.pt") if os.path.isdir(opts.checkpoint) else opts.checkpoint
-    module = load_script(which_script(path))
-    try:
-        state = module.load_checkpoint(path, flag="checkpoint")
-    except module.ArgError as e:
-        sys.exit(f"error: {e}")
-    try:
-        args = module.Args(**state["args"])
-    except TypeError as e:  # a flag that this version of the script does not have
-        sys.exit(f"error: {path}: its flags do not fit this version of {module.SCRIPT} ({e})")
-    # The script's own device choice, which also sets TF32 as the run's --precision says (fp32: off on GPUs)
-    device = module.pick_device(dataclasses.replace(args, cuda=not opts.cpu))
+    state = read_file(path)
+    module = load_script(state["script"])
+    args = run_args(module, state, path)
+    # The device and TF32 setting as the script chooses them (TF32 only with --precision tf32)
+    device = torch.device("cuda" if not opts.cpu and torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     num_actions = state["agent"]["pi_head.weight"].shape[0]  # the game's own action set, as trained
     agent = module.PPGAgent(args.arch, module.OBS_SHAPE, num_actions, bf16=args.precision == "bf16")
     agent.load_state_dict(state["agent"])
@@ -127,7 +137,7 @@ def main() -> None:
 
     folder, stem = os.path.split(path)
     n = min(opts.episodes, 64)
-    seed = module.derived_seed(args.seed, 2_000_003 + opts.seed, n)  # wrapped below 2^31 - n, as the script does
+    seed = (args.seed + 2_000_003 + opts.seed) % (2**31 - n)  # wrapped below 2^31 - n, as the scripts wrap seeds
     procgen = module.SCRIPT == "ppg_procgen.py"
     env_class = module.ProcgenVecEnv if procgen else module.AtariVecEnv
     sets = {"games": ("whole games", {})}  # name: (description, the env class's level arguments)
@@ -165,7 +175,8 @@ def main() -> None:
         result = dict(description=description, n=len(returns), mean=mean, stderr=stderr)
         line = f"{description}: mean return {mean:.2f} +- {'n/a' if stderr is None else f'{stderr:.2f}'} (stderr)"
         if procgen:
-            result["normalised_mean"] = float(np.mean([module.normalised_score(args, r) for r in returns]))
+            scores = [normalised_score(args.env_id, args.distribution_mode, r) for r in returns]
+            result["normalised_mean"] = float(np.mean(scores))
             line += f", normalised {result['normalised_mean']:.3f}"
         print(f"{line} over {len(returns)} episodes", flush=True)
         report["sets"][name] = dict(result, returns=returns)
