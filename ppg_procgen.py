@@ -506,8 +506,8 @@ def main(args: Args, given: Optional[set] = None) -> None:
     tf32 = " (a CPU has no TF32: plain fp32)" * (args.precision == "tf32" and device.type != "cuda")
     print(
         f"run {run_name} on {device}: {plan['num_phases']} phases, N_pi={args.n_pi}: {num_iterations} rollouts of "
-        f"{args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps{rounded}\narch="
-        f"{args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
+        f"{args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps{rounded}\n"
+        f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
         f"{plan['aux_phases']} auxiliary phases; PPO minibatch {batch_size // args.num_minibatches} states, aux "
         f"minibatch {args.aux_mb_trajectories * args.num_steps}; buffers {needed / 2**30:.2f} GiB (uint8 frames)"
         f"\nprecision {args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states"
@@ -529,8 +529,8 @@ def main(args: Args, given: Optional[set] = None) -> None:
             sys.exit(f"error: --track: {type(e).__name__}: {e} (pip install wandb==0.31.0; wandb login)"[:300])
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
-    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())  # each start's flags, at the step it starts from
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table, global_step)
 
     # The env (training levels [start_level, start_level + num_levels)), the networks, the optimizers, the buffer B
     envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)

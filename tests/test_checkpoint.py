@@ -75,6 +75,22 @@ def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monk
     assert len(list(saved.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
 
 
+def test_a_resume_hides_what_the_stopped_run_logged_after_its_checkpoint(tiny_run, tmp_path, monkeypatch):
+    """The shared finished run (3 rollouts, steps 64..192 logged) with its checkpoint taken back to phase 1, as if the
+    run had been killed in phase 2 after logging rollout 3: the resumed run logs rollout 3 again, and TensorBoard
+    shows each step once (purge_step hides the stopped run's step 192)."""
+    script = load_script("ppg_atari.py")
+    run = copy_run(tiny_run("ppg_atari.py"), tmp_path)
+    state = checkpoint(run)
+    torch.save(dict(state, phase=1, global_step=128), run / "checkpoint.pt")
+    assert scalars_with_steps(run, "losses/policy_loss")[0] == [64, 128, 192]  # the stopped run's log
+    main_in_process(script, ["--resume", str(run)], tmp_path, monkeypatch)
+    assert checkpoint(run)["global_step"] == 192
+    steps, acc = scalars_with_steps(run, "losses/policy_loss")
+    assert steps == [64, 128, 192]
+    assert [e.step for e in acc.Tensors("hyperparameters/text_summary")] == [0, 128]  # each start's flags, once
+
+
 @pytest.mark.parametrize("name, signum", [("ppg_procgen.py", signal.SIGTERM), ("ppg_atari.py", signal.SIGINT)])
 def test_sigterm_and_ctrl_c_print_the_resume_command_and_exit_128_plus_the_signal(name, signum, tmp_path):
     proc = start(name, tmp_path, "--total-timesteps", str(10**6))  # far too long to finish before the signal

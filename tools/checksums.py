@@ -4,10 +4,10 @@
     python tools/checksums.py pA aC           # some of them
 
 Run it before and after a change on the same machine: every line must be identical. Each config is a tiny run
-(2 envs x 32 steps, 3 rollouts, one aux phase) with --save-model, run as a user runs it (torchrun for the t*
-configs, 2 workers); the checksum is of the saved state dict's tensors in key order. The configs cover each arch,
-E_V > E_pi, gradient clipping, several minibatches, the KL guard firing, 2-trajectory aux minibatches, unseen-level
-evaluation, the reward normaliser, bf16 (pE), tf32 (pT: on a CPU equal to pA), and data parallelism.
+(2 envs x 32 steps, 3 rollouts, one aux phase) with --save-model, run as a user runs it; the checksum is of the saved
+state dict's tensors in key order. The configs cover each arch, E_V > E_pi, gradient clipping, several minibatches,
+the KL guard firing, 2-trajectory aux minibatches, training levels, the reward normaliser, bf16 (pE), and tf32 (pT: on
+a CPU equal to pA).
 """
 
 import hashlib
@@ -33,19 +33,13 @@ CONFIGS = {
     "aA": f"{ATARI} --num-minibatches 2",
     "aB": f"{ATARI} --arch detach --norm-reward --aux-kl-stop 1e-9",
     "aC": f"{ATARI} --arch shared --e-aux 0 --e-pi 4 --e-v 4 --max-grad-norm 0.5",
-    "tP": f"torchrun {PROCGEN} --total-timesteps 384",
-    "tA": f"torchrun {ATARI} --total-timesteps 384 --norm-reward",
 }
 
 
 def checksum(name: str) -> str:
     words = CONFIGS[name].split()
-    launch = [sys.executable]
-    if words[0] == "torchrun":
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        words = words[1:]
     # The later flag wins in tyro, so a config's own values override TINY's.
-    argv = [*launch, str(ROOT / words[0]), *TINY.split(), *words[1:]]
+    argv = [sys.executable, str(ROOT / words[0]), *TINY.split(), *words[1:]]
     with tempfile.TemporaryDirectory() as cwd:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
