@@ -606,7 +606,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
             print(f"phase {phase} done in {seconds}; peak {'GPU ' * (device.type == 'cuda')}memory {peak:.2f} GiB")
 
             # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
-            writer.flush()  # what was logged up to it is on disk
+            writer.flush()  # what was logged up to it is on disk: a kill after it loses nothing of it
             state = {name: thing.state_dict() for name, thing in stateful.items()}
             state.update(script=SCRIPT, run_name=run_name, args=vars(args), phase=phase, global_step=global_step)
             state.update(aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns))

@@ -59,6 +59,7 @@ def scalars_with_steps(run_dir, tag: str) -> list:
 def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monkeypatch, capsys):
     proc = start(name, tmp_path)
     saved = wait_for_checkpoint(proc, tmp_path)
+    time.sleep(0.3)  # past the phase boundary's last writes (its aux/ scalars, flushed after the checkpoint)
     proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 2 of 2, however fast the machine)
     assert checkpoint(saved.parent)["phase"] < 2
     proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
@@ -73,6 +74,35 @@ def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monk
     assert steps == list(range(64, 257, 64))
     assert [e.step for e in acc.Scalars("aux/clone_kl")] == [1, 2]  # one aux phase of E_aux = 2 epochs, once
     assert len(list(saved.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
+
+
+KILLED_AT_ROLLOUT_3 = """
+import importlib.util, os, signal, sys, tyro
+spec = importlib.util.spec_from_file_location("script", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+sys.modules["script"] = script
+spec.loader.exec_module(script)
+real, calls = script.compute_gae, []
+def gae(*a):  # rollout 3 is phase 2's first: phase 1's boundary (checkpoint, aux/ scalars) is behind it
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a)
+script.compute_gae = gae
+script.main(tyro.cli(script.Args, args=sys.argv[2:]))
+"""
+
+
+def test_a_kill_just_after_a_phase_boundary_keeps_that_phases_log(tmp_path):
+    """SIGKILL at the start of phase 2: what phase 1 logged, its aux/ scalars too (logged after its checkpoint, and
+    never redone by a resume), is on disk."""
+    argv = [sys.executable, "-c", KILLED_AT_ROLLOUT_3, str(ROOT / "ppg_atari.py"), *TINY_FLAGS["ppg_atari.py"], *LONG]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert checkpoint(run)["phase"] == 1
+    steps, acc = scalars_with_steps(run, "losses/policy_loss")
+    assert steps == [64, 128] and [e.step for e in acc.Scalars("aux/clone_kl")] == [1, 2]
 
 
 def test_a_resume_hides_what_the_stopped_run_logged_after_its_checkpoint(tiny_run, tmp_path, monkeypatch):
