@@ -561,7 +561,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    start_time, start_step = time.time(), global_step  # for SPS
+    start_time, start_step, start_phase = time.time(), global_step, phase  # this start's: SPS and ETA
     try:
         while iteration < num_iterations:
             phase, phase_start = phase + 1, time.time()
@@ -586,13 +586,13 @@ def main(args: Args, given: Optional[set] = None) -> None:
                 writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
                 sps = (global_step - start_step) / (time.time() - start_time)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                eta = (num_iterations * batch_size - global_step) / sps / 3600  # aux phases in it once one has run
-                returns = (
-                    f"return(last {len(recent_returns)}) {np.mean(recent_returns) if recent_returns else math.nan:.2f}"
-                )
-                losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
+                # ETA at this start's SPS, which holds the aux phases once one has run (until then, it says so)
+                eta = (num_iterations * batch_size - global_step) / sps / 3600
+                eta_aux = " + aux phases, untimed yet" * (phase == start_phase + 1 <= plan["aux_phases"])
+                mean_return = np.mean(recent_returns) if recent_returns else math.nan  # of the last 100 episodes
                 progress = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
-                print(f"{progress} SPS {sps:.0f} ETA {eta:.1f}h {returns} {losses}", flush=True)
+                losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
+                print(f"{progress} SPS {sps:.0f} ETA {eta:.1f}h{eta_aux} return {mean_return:.2f} {losses}", flush=True)
 
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
             aux_epochs, t0 = [], time.time()

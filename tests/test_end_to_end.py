@@ -35,6 +35,8 @@ def check_tiny_run(stdout: str, scalars: dict, precision: str) -> None:
     """What every tiny run must show: the plan, every tag, finite losses, an aux phase in phase 1 alone, and a
     first minibatch whose ratio is 1 and a first aux epoch whose clone KL is 0."""
     assert "3 rollouts" in stdout and "1 auxiliary phases" in stdout
+    # the ETA of phase 1's rollouts says it has no aux phase in it yet; phase 2's (after the aux phase) has
+    assert ["+ aux phases, untimed yet" in line for line in stdout.splitlines() if " iter " in line] == [1, 1, 0]
     assert f"precision {precision}; " in stdout
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, missing
