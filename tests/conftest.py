@@ -187,3 +187,25 @@ def main_in_process(script, flags, cwd, monkeypatch):
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+# tools/sweep.py's tests: the tiny config, 2 games whose random episodes end within it (so every run logs returns)
+SWEEP_GAMES = ["dodgeball", "bossfight"]
+SWEEP_TINY = _TINY
+
+
+def sweep(root, *argv: str, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+    """`python tools/sweep.py --root ROOT argv...`, as a user runs it."""
+    command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(root), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+@pytest.fixture(scope="session")
+def sweep_grid(tmp_path_factory):
+    """The one 2-game x 2-seed x 2-method local sweep of the suite (tiny runs, 2 jobs at once): its root, name and
+    what the sweep printed. Read only: a test that writes works on a sweep of its own."""
+    root = tmp_path_factory.mktemp("sweeps") / "runs"
+    argv = ["--name", "grid", "--games", *SWEEP_GAMES, "--seeds", "1", "2", "--methods", "ppg", "ppo", "--jobs", "2"]
+    done = sweep(root, *argv, "--", *SWEEP_TINY)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return types.SimpleNamespace(root=root, folder=root / "grid", argv=argv, stdout=done.stdout)

@@ -1,0 +1,108 @@
+"""tools/report.py: the per-game table (with the released code's figure at the same step where the protocol
+matches), rliable's IQM, mean and intervals over a runs x games matrix, the probability of improvement, the figure."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, SWEEP_GAMES
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("report_tool", ROOT / "tools" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep_grid.folder), "--reps", "200", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PPG_RELEASED_CODE"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.with_suffix(".md").read_text()
+    for game in SWEEP_GAMES:  # each method's mean over its 2 seeds, at the step both reached
+        row = next(line for line in text.splitlines() if line.startswith(f"| {game} |"))
+        assert row.count("(2, 192)") == 2, row
+    assert "(No released-code column: no released results folder given.)" in text
+    assert "at 192 env steps" in text and text.count("| 2 | ") == 2  # ppg and ppo, 2 runs each
+    assert "P(ppg > ppo) = " in text
+    assert out.with_suffix(".png").stat().st_size > 10_000  # drawn (and looked at when this test was written)
+
+
+def test_iqm_and_intervals_are_rliables_and_the_iqm_a_hand_computation():
+    from rliable import library as rly
+    from rliable import metrics
+
+    report, rng = load_report(), np.random.default_rng(0)
+    scores = {"a": rng.random((5, 4)), "b": rng.random((5, 4)) + 0.2}  # 5 runs x 4 games each
+    points, intervals = report.interval_estimates(scores, reps=1000, seed=3)
+    np.random.seed(3)  # rliable resamples from numpy's global stream
+    direct_points, direct_intervals = rly.get_interval_estimates(
+        scores, lambda m: np.array([metrics.aggregate_iqm(m), metrics.aggregate_mean(m)]), reps=1000
+    )
+    for method, matrix in scores.items():
+        assert np.array_equal(points[method], direct_points[method])
+        assert np.array_equal(intervals[method], direct_intervals[method])  # the same stratified bootstrap
+        middle = np.sort(matrix.ravel())[5:15]  # 20 scores: the interquartile mean drops 5 at each end
+        assert points[method][0] == pytest.approx(middle.mean()) and points[method][1] == pytest.approx(matrix.mean())
+        low, high = intervals[method][:, 0]
+        assert low < points[method][0] < high
+    p, (low, high) = report.probability_of_improvement(scores["b"] + 1.0, scores["a"], reps=200)
+    assert p == 1.0 and low == high == 1.0  # b + 1 beats a in every game and run
+
+
+def write_run(folder, game: str, method: str, seed: int, returns: list, last: int, **flags) -> None:
+    """A run as tools/sweep.py leaves it: <game>__<method>__<seed>/runs/<run>/ with a checkpoint and its log."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = folder / f"{game}__{method}__{seed}" / "runs" / f"{game}__{method}__{seed}__1"
+    run.mkdir(parents=True)
+    args = dict(distribution_mode="hard", num_envs=256, aux_mb_trajectories=16, env_id=game, **flags)
+    torch.save(dict(args=args, global_step=last, phase=1), run / "checkpoint.pt")
+    writer = SummaryWriter(str(run))
+    for i, value in enumerate(returns):
+        writer.add_scalar("charts/episodic_return", value, (i + 1) * last // len(returns))
+    writer.add_scalar("losses/value_loss", 0.0, last)
+    writer.close()
+
+
+def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_matches(tmp_path):
+    """Hard mode at the paper's batch: the released column is the mean of the released runs' EpRewMean at the row of
+    the step the method's seeds all reached (row i at (i + 1) x 65,536); elsewhere no such column."""
+    report, results, sweep = load_report(), tmp_path / "results", tmp_path / "sweep"
+    for run in range(3):  # a released results folder: row i of run r has EpRewMean 10 r + i
+        (results / f"ppg-run{run}").mkdir(parents=True)
+        rows = "\n".join(str(10.0 * run + i) for i in range(20))
+        (results / f"ppg-run{run}" / "progress-bigfish.csv").write_text("EpRewMean\n" + rows + "\n")
+    write_run(sweep, "bigfish", "ppg", 1, [1.0] * 150 + [3.0] * 100, last=10 * 65_536)
+    write_run(sweep, "bigfish", "ppg", 2, [5.0] * 100, last=12 * 65_536)
+    argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep), "--released", str(results), "--reps", "100"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)  # (rliable's imports hold on to stderr)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    # step 655,360 (both seeds reached it): seed 1's last 100 episodes by then are 3.0, seed 2's are 5.0; the released
+    # row 9 (10 x 65,536) is 9, 19, 29 over the 3 runs
+    assert "| bigfish | 4.00 (2, 655,360) | 19.00 |" in out
+    assert report.released_return(results, "ppg", "bigfish", 65_535) is None  # before the first row
+
+
+@pytest.mark.skipif(not os.environ.get("PPG_RELEASED_CODE"), reason="the released code's results are not at hand")
+def test_released_rows_are_read_from_the_real_results():
+    report = load_report()
+    results = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
+    runs = sorted(results.glob("ppo-run*/progress-starpilot.csv"))
+    assert len(runs) == 3
+    row = [float(path.read_text().splitlines()[1 + 99]) for path in runs]  # row 99: 100 x 65,536 steps
+    assert report.released_return(results, "ppo", "starpilot", 100 * 65_536) == pytest.approx(np.mean(row))

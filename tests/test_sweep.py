@@ -1,0 +1,228 @@
+"""tools/sweep.py: a grid of games x seeds x methods through submitit, on this machine (the local executor) and, with
+sbatch replaced by a recording stand-in, on SLURM. Each run's folder decides what a start does: done, resume, start."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import torch
+
+from conftest import ROOT, SWEEP_GAMES, SWEEP_TINY, sweep
+
+
+def starts_and_ends(folder: pathlib.Path) -> list:
+    """(start, end) of each start of a run, from the times its job wrote into train.log."""
+    text = (folder / "train.log").read_text()
+    starts = [float(t) for t in re.findall(r"^# start ([\d.]+)", text, re.M)]
+    ends = [float(t) for t in re.findall(r"^# end ([\d.]+)", text, re.M)]
+    return list(zip(starts, ends))
+
+
+def final_step(folder: pathlib.Path) -> int:
+    (path,) = folder.glob("runs/*/checkpoint.pt")
+    return torch.load(path, weights_only=True)["global_step"]
+
+
+def logged_steps(folder: pathlib.Path) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = folder.glob("runs/*/")
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars("losses/value_loss")]
+
+
+def test_a_grid_runs_to_the_end_with_at_most_two_jobs_at_once(sweep_grid):
+    folders = sorted(p.name for p in sweep_grid.folder.iterdir() if not p.name.startswith("."))
+    expected = sorted(f"{g}__{m}__{s}" for g in SWEEP_GAMES for m in ("ppg", "ppo") for s in (1, 2))
+    assert folders == expected and "8 runs, 0 done, 8 to run" in sweep_grid.stdout
+    intervals = []
+    for name in folders:
+        folder = sweep_grid.folder / name
+        assert final_step(folder) == 192 and logged_steps(folder) == [64, 128, 192], name
+        state = torch.load(next(folder.glob("runs/*/checkpoint.pt")), weights_only=True)
+        game, method, seed = name.split("__")
+        assert (state["args"]["env_id"], state["args"]["seed"], state["args"]["exp_name"]) == (game, int(seed), method)
+        assert state["args"]["e_aux"] == (0 if method == "ppo" else 2)  # the method's flags win over the common ones
+        intervals += starts_and_ends(folder)
+    assert len(intervals) == 8  # one start each
+    most = max(sum(start <= t < end for start, end in intervals) for t, _ in intervals)
+    assert most == 2  # never more than --jobs at once, and two did run side by side
+
+
+def test_a_finished_sweep_run_again_starts_nothing(sweep_grid):
+    before = {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()}
+    done = sweep(sweep_grid.root, *sweep_grid.argv, "--", *SWEEP_TINY)
+    assert done.returncode == 0 and "8 runs, 8 done, 0 to run" in done.stdout, done.stderr[-2000:]
+    assert {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()} == before
+
+
+def test_dry_run_and_bad_input_submit_nothing(tmp_path):
+    """--dry-run prints the jobs (as a user runs it); bad input stops in one line before any job or folder exists (in
+    this process: the same main() the command line runs)."""
+    argv = ["--name", "x", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "ppo"]
+    done = sweep(tmp_path, *argv, "--dry-run", "--", *SWEEP_TINY)
+    assert done.returncode == 0 and done.stdout.count("start  ") == 2 and "2 runs, 0 done, 2 to run" in done.stdout
+    assert "--arch shared --e-aux 0 --e-pi 3 --e-v 3" in done.stdout  # ppo: the paper's baseline
+    cases = [
+        (["--games", "pong"], "error: --games: ['pong'] are not Procgen games"),
+        (["--games", "dodgeball", "--methods", "ppx"], "error: --methods: unknown ['ppx']"),
+        (
+            ["--games", "dodgeball", "--", "--num-minibatches", "7"],
+            "error: dodgeball ppg: --num-minibatches 7 does not",
+        ),
+        (["--games", "dodgeball", "--", "--arch", "triple"], "error: dodgeball ppg: "),
+        (
+            ["--games", "dodgeball", "--method", "mine=--e-aux -1", "--methods", "mine"],
+            "error: dodgeball mine: --e-aux",
+        ),
+        (["--games", "dodgeball", "--jobs", "0"], "error: --jobs must be at least 1"),
+    ]
+    # each case through the tool's main(), as its command line calls it, in one process (one start for all six)
+    code = f"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sweep_tool", {str(ROOT / "tools" / "sweep.py")!r})
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+for argv in json.loads(sys.argv[1]):
+    try:
+        tool.main(["--root", {str(tmp_path)!r}, "--name", "bad", *argv])
+        print("no stop")
+    except SystemExit as e:
+        print(json.dumps(str(e.code)))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps([argv for argv, _ in cases])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    messages = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(messages) == len(cases), done.stdout + done.stderr[-2000:]
+    for (argv, needle), message in zip(cases, messages):
+        assert message.startswith(needle) and "\n" not in message, (argv, message)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "x").exists()  # nothing submitted, no folder made
+
+
+def test_a_killed_sweep_resumes_when_run_again(tmp_path):
+    """The whole sweep killed with SIGKILL (sweep.py, submitit's controller, the training process) after its run's
+    first checkpoint: the same command again resumes the run, which ends at its planned step, each step logged once."""
+    argv = ["--name", "k", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--", *SWEEP_TINY]
+    argv += ["--total-timesteps", "256"]  # 4 rollouts in 2 phases
+    command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(tmp_path), *argv]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    folder, deadline = tmp_path / "k" / "dodgeball__ppg__1", time.time() + 120
+    while not list(folder.glob("runs/*/checkpoint.pt")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)  # every process of the sweep at once, as a lost machine
+    proc.communicate()
+    assert final_step(folder) < 256
+    done = sweep(tmp_path, *argv)
+    assert done.returncode == 0 and "resume " in done.stdout, done.stdout + done.stderr[-2000:]
+    assert final_step(folder) == 256 and logged_steps(folder) == [64, 128, 192, 256]
+
+
+def test_a_job_past_its_time_limit_is_requeued_and_resumes(tmp_path):
+    """--time-min 0.2 (12 s, the stop signal 3 s before it) on a run that needs more: submitit signals the job, the
+    training process stops with its last checkpoint, the job is requeued, and its next start resumes to the end."""
+    argv = ["--name", "t", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--time-min", "0.2"]
+    done = sweep(tmp_path, *argv, "--signal-delay-s", "3", "--", *SWEEP_TINY, "--total-timesteps", "960")
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    folder = tmp_path / "t" / "dodgeball__ppg__1"
+    log = (folder / "train.log").read_text()
+    assert len(re.findall(r"^# start", log, re.M)) >= 2 and "stopped by SIGTERM; resume with" in log
+    assert re.search(r"^\$ .* --resume .* --total-timesteps 960$", log, re.M)
+    assert final_step(folder) == 960 and logged_steps(folder) == list(range(64, 961, 64))
+
+
+def test_the_slurm_path_submits_an_array_with_resources_command_and_requeue(tmp_path):
+    """sbatch replaced by a stand-in on PATH that records what it is given: the job script's resources, the command
+    that runs the pickled TrainRun of each run, the USR2 signal before the time limit that submitit requeues on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\ncp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"\n')
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")  # submitit looks for it, to know it is on SLURM
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    argv = ["--name", "s", "--games", "dodgeball", "--seeds", "1", "2", "--methods", "ppg", "--cluster", "slurm"]
+    argv += ["--partition", "gpu", "--gpus-per-job", "1", "--cpus-per-job", "8", "--time-min", "1440"]
+    done = sweep(tmp_path / "runs", *argv, "--", *SWEEP_TINY, env=env)
+    assert done.returncode == 0 and "submitted 2 jobs: 4242_0, 4242_1" in done.stdout, done.stderr[-2000:]
+    script = (tmp_path / "submitted.sh").read_text()
+    for line in ["--partition=gpu", "--gpus-per-node=1", "--cpus-per-task=8", "--time=1440", "--signal=USR2@120"]:
+        assert f"#SBATCH {line}" in script, line
+    assert "#SBATCH --array=0-1%" in script and "submitit.core._submit" in script
+    # what each array task runs: a TrainRun (a submitit Checkpointable: requeued on the signal) of one run's folder
+    import cloudpickle
+
+    pickled = sorted((tmp_path / "runs" / "s" / ".submitit").glob("*_submitted.pkl"))
+    assert [p.name for p in pickled] == ["4242_0_submitted.pkl", "4242_1_submitted.pkl"]
+    delayed = cloudpickle.loads(pickled[0].read_bytes())
+    assert delayed.function.__class__.__name__ == "TrainRun" and hasattr(delayed.function, "checkpoint")
+    script_path, folder, flags, total, threads = delayed.args
+    assert script_path == str(ROOT / "ppg_procgen.py") and folder.endswith("s/dodgeball__ppg__1")
+    assert flags[:6] == ["--env-id", "dodgeball", "--seed", "1", "--exp-name", "ppg"] and total == 192 and threads == 8
+
+
+def load_sweep():
+    spec = importlib.util.spec_from_file_location("sweep_tool", ROOT / "tools" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
+    """Local, 2 GPUs (faked): one job a GPU at once, each job told its own GPU through visible_gpus, all jobs run."""
+    tool, log, running = load_sweep(), [], set()
+    monkeypatch.setattr(tool, "POLL_S", 0.01)
+
+    class Job:
+        def __init__(self, gpus):
+            self.gpus, self.job_id, self.polls = gpus, str(len(log)), 0
+
+        def done(self):
+            self.polls += 1
+            if self.polls >= 2:
+                running.discard(self.gpus)
+            return self.polls >= 2
+
+        def result(self):
+            return f"job {self.job_id} done"
+
+    class Executor:
+        def update_parameters(self, visible_gpus=()):
+            self.gpus = visible_gpus
+
+        def submit(self, function, *args):
+            assert self.gpus not in running  # its GPU is free
+            running.add(self.gpus)
+            log.append(self.gpus)
+            return Job(self.gpus)
+
+    opts = types.SimpleNamespace(gpus=2, jobs=1, threads=0)
+    jobs = [(tmp_path / f"run{i}", [], 1) for i in range(5)]
+    assert tool.run_local(opts, "ppg_procgen.py", jobs, Executor()) == 0
+    assert len(log) == 5 and set(log) == {(0,), (1,)} and log[:2] == [(0,), (1,)]
+    assert "GPU 1" in capsys.readouterr().out
+
+
+def test_checkpoint_stops_the_training_process_and_resubmits_the_same_call(tmp_path):
+    """What submitit calls on the time limit or a preemption signal: the running training process gets SIGTERM (the
+    scripts stop at once, keeping their last checkpoint), and the same call is resubmitted with a fresh TrainRun."""
+    tool = load_sweep()
+    run = tool.TrainRun()
+    run.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    resubmitted = run.checkpoint("script.py", str(tmp_path), ["--seed", "1"], 192, 1)
+    assert run.process.returncode == -signal.SIGTERM
+    assert isinstance(resubmitted.function, tool.TrainRun) and resubmitted.function is not run
+    assert resubmitted.args == ("script.py", str(tmp_path), ["--seed", "1"], 192, 1)

@@ -1,0 +1,258 @@
+"""Many runs: a grid of games x seeds x methods, one submitit job a run, on SLURM or on this machine.
+
+    python tools/sweep.py --name paper --games bigfish starpilot --seeds 1 2 3 --methods ppg ppo \\
+        --cluster slurm --partition gpu --gpus-per-job 1 --cpus-per-job 8 --time-min 1440 \\
+        -- --distribution-mode hard --num-envs 256 --aux-mb-trajectories 16 --total-timesteps 100000000
+    python tools/sweep.py --name small --games bigfish --seeds 1 2 --cluster local --jobs 2 -- --total-timesteps 2000000
+    python tools/sweep.py ... --dry-run            # the jobs, their folders and what each would do
+
+A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
+paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own
+flags win over them). Each run has a
+fixed folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
+runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
+is done and starts nothing; a run with a checkpoint resumes from it (`--resume`); a folder without one is emptied and
+the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is done.
+
+--cluster slurm submits every job and returns; a job that reaches its time limit, or that the cluster preempts with
+a signal, is requeued by submitit and resumes from its last phase checkpoint. --cluster local runs the jobs here and
+holds the queue in the foreground: at most one job a GPU at once (each sees only its own GPU), or --jobs N without
+GPUs; Ctrl-C stops them (each run keeps its last checkpoint) and the next run of the command resumes them.
+Every flag is checked against the script before any job is submitted: a bad one stops the sweep in one line.
+"""
+
+import argparse
+import contextlib
+import glob
+import importlib.util
+import io
+import os
+import pathlib
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import submitit
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
+POLL_S = 0.5  # how often the local queue looks at its jobs
+
+
+def load_script(path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # tyro reads the flags' help through inspect
+    spec.loader.exec_module(module)
+    return module
+
+
+def checked_args(module, flags: list, what: str):
+    """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan)."""
+    import tyro
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = tyro.cli(module.Args, args=flags)
+        module.make_plan(args)
+    except SystemExit as e:
+        lines = [line.strip("│╭╮╰╯─ ") for line in stderr.getvalue().splitlines()]
+        reason = str(e.code) if isinstance(e.code, str) else " ".join(line for line in lines if line)[:300]
+        sys.exit(f"error: {what}: {reason.removeprefix('error: ')}")
+    return args
+
+
+def planned_steps(args) -> int:
+    """The env steps the run will take: --total-timesteps rounded up to whole rollouts, as the scripts plan it."""
+    batch = args.num_envs * args.num_steps
+    return -(-args.total_timesteps // batch) * batch
+
+
+def last_checkpoint(folder: pathlib.Path):
+    """(run folder, checkpoint) of the run in a job's folder, or (None, None)."""
+    found = sorted(glob.glob(f"{folder}/runs/*/checkpoint.pt"))
+    if not found:
+        return None, None
+    return pathlib.Path(found[-1]).parent, torch.load(found[-1], map_location="cpu", weights_only=True)
+
+
+def job_command(script: str, folder: pathlib.Path, flags: list, total: int):
+    """What a start of the job runs: None if the run is done, else the script's command line (fresh or --resume)."""
+    run, state = last_checkpoint(folder)
+    if state is None:
+        return [sys.executable, script, *flags]
+    if state["global_step"] >= total:
+        return None
+    # the run's own flags come from its checkpoint; the sweep's budget may raise the run's
+    return [sys.executable, script, "--resume", str(run), "--total-timesteps", str(total)]
+
+
+class TrainRun(submitit.helpers.Checkpointable):
+    """One run as a submitit job: each call (a first start, or a start after a requeue) does what job_command says,
+    in the run's folder. On a time limit or preemption submitit calls checkpoint(): the training process is stopped
+    (SIGTERM: it keeps its last phase checkpoint) and the same call is resubmitted, so it resumes."""
+
+    def __init__(self):
+        self.process = None
+
+    def __call__(self, script: str, folder: str, flags: list, total: int, threads: int) -> str:
+        folder = pathlib.Path(folder)
+        command = job_command(script, folder, flags, total)
+        if command is None:
+            return f"{folder.name}: done before this start"
+        if command[2] != "--resume" and (folder / "runs").exists():
+            shutil.rmtree(folder / "runs")  # a start without a checkpoint: nothing of it is kept
+        folder.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else dict(os.environ)
+        with open(folder / "train.log", "a") as log:  # each start: its command, its output, when it ran
+            log.write(f"\n# start {time.time():.3f}\n$ {shlex.join(command)}\n")
+            log.flush()
+            self.process = subprocess.Popen(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env)
+            while self.process.poll() is None:  # polled, not wait(): the signal handler may stop it meanwhile
+                time.sleep(0.2)
+            log.write(f"# end {time.time():.3f} exit {self.process.returncode}\n")
+        if self.process.returncode:
+            raise RuntimeError(f"{folder.name}: the script exited with {self.process.returncode} (see its train.log)")
+        return f"{folder.name}: trained to step {last_checkpoint(folder)[1]['global_step']:,}"
+
+    def checkpoint(self, *args, **kwargs):
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # the script stops at once; its last checkpoint stays
+            while self.process.poll() is None:
+                time.sleep(0.1)
+        return submitit.helpers.DelayedSubmission(TrainRun(), *args, **kwargs)
+
+
+def plan_jobs(opts, common: list):
+    """Every (game, method, seed) as (folder, flags, planned steps), each checked against the script."""
+    script = ROOT / opts.script
+    module = load_script(script)
+    methods = dict(METHODS)
+    for item in opts.method:
+        if "=" not in item:
+            sys.exit(f'error: --method {item!r}: give it as NAME="FLAGS"')
+        name, flags = item.split("=", 1)
+        methods[name] = flags
+    if unknown := [m for m in opts.methods if m not in methods]:
+        sys.exit(f"error: --methods: unknown {unknown}; known: {sorted(methods)} (add one with --method NAME=FLAGS)")
+    if hasattr(module, "PROCGEN_GAMES") and (unknown := [g for g in opts.games if g not in module.PROCGEN_GAMES]):
+        sys.exit(f"error: --games: {unknown} are not Procgen games ({', '.join(module.PROCGEN_GAMES)})")
+    if "--total-timesteps" not in common:
+        common = [*common, "--total-timesteps", str(module.Args().total_timesteps)]
+    jobs = []
+    for game in opts.games:
+        for method in opts.methods:
+            what = f"{game} {method}"
+            for seed in opts.seeds:
+                flags = ["--env-id", game, "--seed", str(seed), "--exp-name", method, *common]
+                flags += shlex.split(methods[method])  # last: a method's own flags win over the common ones
+                args = checked_args(module, flags, what)
+                folder = pathlib.Path(opts.root) / opts.name / f"{game.replace('/', '-')}__{method}__{seed}"
+                jobs.append((folder.resolve(), flags, planned_steps(args)))
+    return str(script), jobs
+
+
+def gpu_count(opts) -> int:
+    return opts.gpus if opts.gpus is not None else torch.cuda.device_count()
+
+
+def run_local(opts, script: str, jobs: list, executor) -> int:
+    """Hold the queue in the foreground: at most one job a slot (a GPU, or one of --jobs) at once. Returns the exit
+    code: 0 when every job ended well, 1 when one failed, 130 on Ctrl-C."""
+    gpus = gpu_count(opts)
+    slots = list(range(gpus)) if gpus else list(range(opts.jobs))
+    threads = opts.threads or (0 if gpus else max(1, (os.cpu_count() or 1) // len(slots)))
+    pending, running, failed = list(jobs), {}, 0
+    try:
+        while pending or running:
+            for slot in [s for s in slots if s not in running][: len(pending)]:
+                folder, flags, total = pending.pop(0)
+                executor.update_parameters(visible_gpus=(slot,) if gpus else ())
+                job = executor.submit(TrainRun(), script, str(folder), flags, total, threads)
+                running[slot] = (job, folder)
+                print(f"started {folder.name} (job {job.job_id}{f', GPU {slot}' if gpus else ''})", flush=True)
+            time.sleep(POLL_S)
+            for slot, (job, folder) in list(running.items()):
+                if job.done():
+                    del running[slot]
+                    try:
+                        print(job.result(), flush=True)
+                    except Exception as e:  # the job's own error, one line, then the next job
+                        failed += 1
+                        lines = str(e).strip().splitlines()
+                        reason = next((line for line in lines if "exited with" in line), lines[0] if lines else e)
+                        print(f"failed {folder.name}: {str(reason).strip()}", flush=True)
+    except KeyboardInterrupt:
+        for job, folder in running.values():
+            job.cancel()
+        print(f"\nstopped {len(running)} running jobs (each keeps its last checkpoint); run the same command to resume")
+        return 130
+    return 1 if failed else 0
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    common = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--name", required=True, help="the sweep's name: its runs go to <root>/<name>/")
+    parser.add_argument("--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"))
+    parser.add_argument("--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--methods", nargs="+", default=["ppg", "ppo"], help="built in: ppg, ppo; more by --method")
+    parser.add_argument("--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method")
+    parser.add_argument("--root", default="runs", help="where the sweep's folder goes")
+    parser.add_argument("--cluster", choices=("local", "slurm"), default="local")
+    parser.add_argument("--jobs", type=int, default=1, help="local, without GPUs: jobs at once")
+    parser.add_argument("--gpus", type=int, default=None, help="local: GPUs to use (default: all visible)")
+    parser.add_argument("--threads", type=int, default=0, help="OMP threads a job (local default: cores / jobs)")
+    parser.add_argument("--partition", default=None, help="slurm: the partition")
+    parser.add_argument("--gpus-per-job", type=int, default=1, help="slurm: GPUs a job")
+    parser.add_argument("--cpus-per-job", type=int, default=8, help="slurm: CPUs a job")
+    parser.add_argument("--time-min", type=float, default=60 * 24, help="a job's time limit, in minutes")
+    parser.add_argument("--signal-delay-s", type=int, default=120, help="the stop signal comes this long before it")
+    parser.add_argument("--max-requeues", type=int, default=10, help="requeues after the time limit, at most")
+    parser.add_argument("--dry-run", action="store_true", help="print the jobs and what each would do, submit none")
+    opts = parser.parse_args(argv)
+    for name in ("jobs", "gpus_per_job", "cpus_per_job", "max_requeues"):
+        if getattr(opts, name) < (0 if name == "max_requeues" else 1):
+            sys.exit(f"error: --{name.replace('_', '-')} must be at least {0 if name == 'max_requeues' else 1}")
+    if not opts.time_min > 0 or opts.signal_delay_s < 0:
+        sys.exit("error: --time-min must be > 0 and --signal-delay-s >= 0")
+
+    script, jobs = plan_jobs(opts, common)
+    todo = [(f, flags, total) for f, flags, total in jobs if job_command(script, f, flags, total) is not None]
+    for folder, flags, total in jobs:
+        command = job_command(script, folder, flags, total)
+        state = "done" if command is None else "resume" if "--resume" in command else "start"
+        if opts.dry_run or state != "done":
+            print(f"{state:6} {folder}: {shlex.join(command or flags)}")
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} done, {len(todo)} to run", flush=True)
+    if opts.dry_run or not todo:
+        return
+
+    folder = pathlib.Path(opts.root) / opts.name / ".submitit"  # submitit's own files: scripts, pickles, logs
+    if opts.cluster == "local":
+        executor = submitit.LocalExecutor(folder, max_num_timeout=opts.max_requeues)
+        executor.update_parameters(timeout_min=opts.time_min, signal_delay_s=opts.signal_delay_s)
+        sys.exit(run_local(opts, script, todo, executor))
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        sys.exit("error: --cluster slurm: no sbatch or srun on PATH (run it on the cluster's login node)")
+    executor = submitit.SlurmExecutor(folder, max_num_timeout=opts.max_requeues)
+    executor.update_parameters(job_name=f"ppg-{opts.name}", partition=opts.partition, time=int(opts.time_min))
+    executor.update_parameters(gpus_per_node=opts.gpus_per_job, cpus_per_task=opts.cpus_per_job)
+    executor.update_parameters(signal_delay_s=opts.signal_delay_s)
+    with executor.batch():  # one job array
+        submitted = [
+            executor.submit(TrainRun(), script, str(f), flags, total, opts.cpus_per_job) for f, flags, total in todo
+        ]
+    print(f"submitted {len(submitted)} jobs: {', '.join(job.job_id for job in submitted)}")
+
+
+if __name__ == "__main__":
+    main()
