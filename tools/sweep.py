@@ -8,9 +8,8 @@
 
 A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
 paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own
-flags win over them). Each run has a
-fixed folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
-runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
+flags win over them). Each run has a fixed folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its
+working directory (the script writes its runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
 is done and starts nothing; a run with a checkpoint resumes from it (`--resume`); a folder without one is emptied and
 the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is done.
 
@@ -26,6 +25,7 @@ import contextlib
 import glob
 import importlib.util
 import io
+import math
 import os
 import pathlib
 import shlex
@@ -36,7 +36,6 @@ import sys
 import time
 
 import submitit
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
@@ -78,6 +77,8 @@ def last_checkpoint(folder: pathlib.Path):
     found = sorted(glob.glob(f"{folder}/runs/*/checkpoint.pt"))
     if not found:
         return None, None
+    import torch  # here, not at the top: a job's process that starts a run afresh need not import it
+
     return pathlib.Path(found[-1]).parent, torch.load(found[-1], map_location="cpu", weights_only=True)
 
 
@@ -118,7 +119,7 @@ class TrainRun(submitit.helpers.Checkpointable):
             log.write(f"# end {time.time():.3f} exit {self.process.returncode}\n")
         if self.process.returncode:
             raise RuntimeError(f"{folder.name}: the script exited with {self.process.returncode} (see its train.log)")
-        return f"{folder.name}: trained to step {last_checkpoint(folder)[1]['global_step']:,}"
+        return f"{folder.name}: trained to step {total:,}"  # the script exits with 0 only at its planned step
 
     def checkpoint(self, *args, **kwargs):
         if self.process is not None and self.process.poll() is None:
@@ -158,6 +159,8 @@ def plan_jobs(opts, common: list):
 
 
 def gpu_count(opts) -> int:
+    import torch
+
     return opts.gpus if opts.gpus is not None else torch.cuda.device_count()
 
 
@@ -244,7 +247,9 @@ def main(argv=None) -> None:
     if shutil.which("sbatch") is None or shutil.which("srun") is None:
         sys.exit("error: --cluster slurm: no sbatch or srun on PATH (run it on the cluster's login node)")
     executor = submitit.SlurmExecutor(folder, max_num_timeout=opts.max_requeues)
-    executor.update_parameters(job_name=f"ppg-{opts.name}", partition=opts.partition, time=int(opts.time_min))
+    executor.update_parameters(
+        job_name=f"ppg-{opts.name}", partition=opts.partition, time=max(1, math.ceil(opts.time_min))
+    )
     executor.update_parameters(gpus_per_node=opts.gpus_per_job, cpus_per_task=opts.cpus_per_job)
     executor.update_parameters(signal_delay_s=opts.signal_delay_s)
     with executor.batch():  # one job array
