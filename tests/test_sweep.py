@@ -71,6 +71,8 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
     done = sweep(tmp_path, *argv, "--dry-run", "--", *SWEEP_TINY)
     assert done.returncode == 0 and done.stdout.count("start  ") == 2 and "2 runs, 0 done, 2 to run" in done.stdout
     assert "--arch shared --e-aux 0 --e-pi 3 --e-v 3" in done.stdout  # ppo: the paper's baseline
+    done = sweep(tmp_path, "--name", "x", "--games", "all", "--seeds", "1", "--methods", "ppg", "--dry-run")
+    assert done.returncode == 0 and "16 runs, 0 done, 16 to run" in done.stdout and "starpilot__ppg__1" in done.stdout
     cases = [
         (["--games", "pong"], "error: --games: ['pong'] are not Procgen games"),
         (["--games", "dodgeball", "--methods", "ppx"], "error: --methods: unknown ['ppx']"),

@@ -141,6 +141,8 @@ def plan_jobs(opts, common: list):
         methods[name] = flags
     if unknown := [m for m in opts.methods if m not in methods]:
         sys.exit(f"error: --methods: unknown {unknown}; known: {sorted(methods)} (add one with --method NAME=FLAGS)")
+    if opts.games == ["all"] and hasattr(module, "PROCGEN_GAMES"):
+        opts.games = list(module.PROCGEN_GAMES)  # the paper's 16
     if hasattr(module, "PROCGEN_GAMES") and (unknown := [g for g in opts.games if g not in module.PROCGEN_GAMES]):
         sys.exit(f"error: --games: {unknown} are not Procgen games ({', '.join(module.PROCGEN_GAMES)})")
     if "--total-timesteps" not in common:
@@ -205,7 +207,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--name", required=True, help="the sweep's name: its runs go to <root>/<name>/")
     parser.add_argument("--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"))
-    parser.add_argument("--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids)")
+    parser.add_argument(
+        "--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--methods", nargs="+", default=["ppg", "ppo"], help="built in: ppg, ppo; more by --method")
     parser.add_argument("--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method")
