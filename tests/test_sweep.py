@@ -1,6 +1,7 @@
 """tools/sweep.py: a grid of games x seeds x methods through submitit, on this machine (the local executor) and, with
 sbatch replaced by a recording stand-in, on SLURM. Each run's folder decides what a start does: done, resume, start."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -42,7 +43,7 @@ def logged_steps(folder: pathlib.Path) -> list:
 def test_a_grid_runs_to_the_end_with_at_most_two_jobs_at_once(sweep_grid):
     folders = sorted(p.name for p in sweep_grid.folder.iterdir() if not p.name.startswith("."))
     expected = sorted(f"{g}__{m}__{s}" for g in SWEEP_GAMES for m in ("ppg", "ppo") for s in (1, 2))
-    assert folders == expected and "8 runs, 0 done, 8 to run" in sweep_grid.stdout
+    assert folders == expected and "4 runs, 0 done, 4 to run" in sweep_grid.stdout
     intervals = []
     for name in folders:
         folder = sweep_grid.folder / name
@@ -52,7 +53,7 @@ def test_a_grid_runs_to_the_end_with_at_most_two_jobs_at_once(sweep_grid):
         assert (state["args"]["env_id"], state["args"]["seed"], state["args"]["exp_name"]) == (game, int(seed), method)
         assert state["args"]["e_aux"] == (0 if method == "ppo" else 2)  # the method's flags win over the common ones
         intervals += starts_and_ends(folder)
-    assert len(intervals) == 8  # one start each
+    assert len(intervals) == 4  # one start each
     most = max(sum(start <= t < end for start, end in intervals) for t, _ in intervals)
     assert most == 2  # never more than --jobs at once, and two did run side by side
 
@@ -60,7 +61,7 @@ def test_a_grid_runs_to_the_end_with_at_most_two_jobs_at_once(sweep_grid):
 def test_a_finished_sweep_run_again_starts_nothing(sweep_grid):
     before = {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()}
     done = sweep(sweep_grid.root, *sweep_grid.argv, "--", *SWEEP_TINY)
-    assert done.returncode == 0 and "8 runs, 8 done, 0 to run" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and "4 runs, 4 done, 0 to run" in done.stdout, done.stderr[-2000:]
     assert {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()} == before
 
 
@@ -113,37 +114,61 @@ for argv in json.loads(sys.argv[1]):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "x").exists()  # nothing submitted, no folder made
 
 
-def test_a_killed_sweep_resumes_when_run_again(tmp_path):
-    """The whole sweep killed with SIGKILL (sweep.py, submitit's controller, the training process) after its run's
-    first checkpoint: the same command again resumes the run, which ends at its planned step, each step logged once."""
-    argv = ["--name", "k", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--", *SWEEP_TINY]
-    argv += ["--total-timesteps", "256"]  # 4 rollouts in 2 phases
+def job_process(root: pathlib.Path) -> int:
+    """The pid of the submitit job process (`python -m submitit.core._submit`) that runs a sweep under root."""
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode()
+            if "submitit.core._submit" in text and str(root) in text:
+                return int(cmdline.parent.name)
+    raise AssertionError(f"no submitit job process under {root}")
+
+
+def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
+    """One run through every way a sweep stops, each after the run's next phase checkpoint: the job is signalled as
+    submitit's controller signals it --signal-delay-s before --time-min (SIGUSR2: the job is requeued and resumes in the
+    same sweep); the sweep gets Ctrl-C (SIGINT to its process group, as a terminal sends it: exit 130, no traceback);
+    every process of it is killed (SIGKILL, a lost machine). Each new run of the command resumes, and the run ends at
+    its planned step, each step logged once. (The signal is sent by hand, so the test does not hang on this machine's
+    speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment.)"""
+    argv = ["--name", "k", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--time-min", "30"]
+    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "640"]  # 10 rollouts in 5 phases
     command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(tmp_path), *argv]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    folder, deadline = tmp_path / "k" / "dodgeball__ppg__1", time.time() + 120
-    while not list(folder.glob("runs/*/checkpoint.pt")):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
-        time.sleep(0.05)
-    time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGKILL)  # every process of the sweep at once, as a lost machine
-    proc.communicate()
-    assert final_step(folder) < 256
+    folder = tmp_path / "k" / "dodgeball__ppg__1"
+
+    def wait_for_step(proc, step):
+        deadline = time.time() + 120
+        while not list(folder.glob("runs/*/checkpoint.pt")) or final_step(folder) < step:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.1)
+        time.sleep(0.3)  # into the next phase
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_step(proc, 128)
+    job = job_process(tmp_path)
+    environ = dict(v.split("=", 1) for v in pathlib.Path(f"/proc/{job}/environ").read_text().split("\0") if "=" in v)
+    assert (environ["SUBMITIT_LOCAL_TIMEOUT_S"], environ["SUBMITIT_LOCAL_SIGNAL_DELAY_S"]) == ("1800", "7")
+    os.kill(job, signal.SIGUSR2)  # what the controller sends at 30 min - 7 s
+    wait_for_step(proc, 256)
+    log = (folder / "train.log").read_text()
+    assert "stopped by SIGTERM; resume with" in log and re.search(
+        r"^\$ .* --resume .* --total-timesteps 640$", log, re.M
+    )
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "run the same command to resume" in out and "Traceback" not in err, err
+    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 640
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_step(proc, 384)
+    os.killpg(proc.pid, signal.SIGKILL)  # every process of the sweep at once
+    proc.communicate(timeout=60)
+    assert final_step(folder) < 640
     done = sweep(tmp_path, *argv)
     assert done.returncode == 0 and "resume " in done.stdout, done.stdout + done.stderr[-2000:]
-    assert final_step(folder) == 256 and logged_steps(folder) == [64, 128, 192, 256]
-
-
-def test_a_job_past_its_time_limit_is_requeued_and_resumes(tmp_path):
-    """--time-min 0.2 (12 s, the stop signal 3 s before it) on a run that needs more: submitit signals the job, the
-    training process stops with its last checkpoint, the job is requeued, and its next start resumes to the end."""
-    argv = ["--name", "t", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--time-min", "0.2"]
-    done = sweep(tmp_path, *argv, "--signal-delay-s", "3", "--", *SWEEP_TINY, "--total-timesteps", "960")
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    folder = tmp_path / "t" / "dodgeball__ppg__1"
-    log = (folder / "train.log").read_text()
-    assert len(re.findall(r"^# start", log, re.M)) >= 2 and "stopped by SIGTERM; resume with" in log
-    assert re.search(r"^\$ .* --resume .* --total-timesteps 960$", log, re.M)
-    assert final_step(folder) == 960 and logged_steps(folder) == list(range(64, 961, 64))
+    starts = re.findall(r"^# start", (folder / "train.log").read_text(), re.M)
+    assert len(starts) == 4  # the first, the requeue's, after Ctrl-C, after SIGKILL
+    assert final_step(folder) == 640 and logged_steps(folder) == list(range(64, 641, 64))
 
 
 def test_the_slurm_path_submits_an_array_with_resources_command_and_requeue(tmp_path):
@@ -202,6 +227,8 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
             return f"job {self.job_id} done"
 
     class Executor:
+        folder = tmp_path
+
         def update_parameters(self, visible_gpus=()):
             self.gpus = visible_gpus
 
@@ -228,3 +255,50 @@ def test_checkpoint_stops_the_training_process_and_resubmits_the_same_call(tmp_p
     assert run.process.returncode == -signal.SIGTERM
     assert isinstance(resubmitted.function, tool.TrainRun) and resubmitted.function is not run
     assert resubmitted.args == ("script.py", str(tmp_path), ["--seed", "1"], 192, 1)
+
+
+def test_a_failed_job_is_one_line_and_the_queue_goes_on(tmp_path, capsys, monkeypatch):
+    """A job that fails (the script's own exit, or submitit's controller giving up on it) is reported in one line that
+    says why and how to go on; the other jobs still run, and the sweep exits with 1."""
+    tool = load_sweep()
+    monkeypatch.setattr(tool, "POLL_S", 0.01)
+    errors = [
+        "Job 7 (task: 0) with path /x/7_0_result.pkl\nhas not produced any output (state: FINISHED)\nError stream: ...",
+        "Traceback ...\nRuntimeError: run1: the script exited with 1 (see its train.log)\n",
+        None,
+    ]
+
+    class Job:
+        def __init__(self, error):
+            self.error, self.job_id = error, "7"
+
+        def done(self):
+            return True
+
+        def result(self):
+            if self.error:
+                raise RuntimeError(self.error)
+            return "run2: trained"
+
+    class Executor:
+        folder = tmp_path
+
+        def update_parameters(self, **kwargs):
+            pass
+
+        def submit(self, function, *args):
+            return Job(errors.pop(0))
+
+    opts = types.SimpleNamespace(gpus=0, jobs=1, threads=1)
+    jobs = [(tmp_path / f"run{i}", [], 1) for i in range(3)]
+    assert tool.run_local(opts, "ppg_procgen.py", jobs, Executor()) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        "failed run0: Job 7 (task: 0) with path /x/7_0_result.pkl has not produced any output (state: FINISHED); run "
+        "the command again to resume"
+    )
+    assert (
+        out[3]
+        == "failed run1: RuntimeError: run1: the script exited with 1 (see its train.log); run the command again to resume"
+    )
+    assert out[5] == "run2: trained"

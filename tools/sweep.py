@@ -178,7 +178,15 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
             for slot in [s for s in slots if s not in running][: len(pending)]:
                 folder, flags, total = pending.pop(0)
                 executor.update_parameters(visible_gpus=(slot,) if gpus else ())
-                job = executor.submit(TrainRun(), script, str(folder), flags, total, threads)
+                # submitit's controller inherits stderr, where a stop (its SIGINT) ends in a traceback: a file takes it
+                saved = os.dup(2)
+                with open(pathlib.Path(executor.folder) / "controllers.log", "a") as log:
+                    os.dup2(log.fileno(), 2)
+                    try:
+                        job = executor.submit(TrainRun(), script, str(folder), flags, total, threads)
+                    finally:
+                        os.dup2(saved, 2)
+                        os.close(saved)
                 running[slot] = (job, folder)
                 print(f"started {folder.name} (job {job.job_id}{f', GPU {slot}' if gpus else ''})", flush=True)
             time.sleep(POLL_S)
@@ -190,11 +198,17 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
                     except Exception as e:  # the job's own error, one line, then the next job
                         failed += 1
                         lines = str(e).strip().splitlines()
-                        reason = next((line for line in lines if "exited with" in line), lines[0] if lines else e)
-                        print(f"failed {folder.name}: {str(reason).strip()}", flush=True)
-    except KeyboardInterrupt:
-        for job, folder in running.values():
-            job.cancel()
+                        reason = next((line for line in lines if "exited with" in line), " ".join(lines[:2]) or e)
+                        print(
+                            f"failed {folder.name}: {str(reason).strip()}; run the command again to resume", flush=True
+                        )
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every job too: let them stop, then cancel any left
+        deadline = time.time() + 5
+        while time.time() < deadline and not all(job.done() for job, _ in running.values()):
+            time.sleep(POLL_S)
+        for job, _ in running.values():
+            if not job.done():
+                job.cancel()
         print(f"\nstopped {len(running)} running jobs (each keeps its last checkpoint); run the same command to resume")
         return 130
     return 1 if failed else 0
