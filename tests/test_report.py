@@ -36,7 +36,7 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
         row = next(line for line in text.splitlines() if line.startswith(f"| {game} |"))
         assert row.count("(2, 192)") == 2, row
     assert "(No released-code column: no released results folder given.)" in text
-    assert "at 192 env steps" in text and text.count("| 2 | ") == 2  # ppg and ppo, 2 runs each
+    assert "at 192 env steps" in text and text.count("| 2 x 1 | ") == 2  # ppg and ppo: 2 seeds x 1 game each
     assert "P(ppg > ppo) = " in text
     assert out.with_suffix(".png").stat().st_size > 10_000  # drawn (and looked at when this test was written)
 

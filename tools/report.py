@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--released", type=pathlib.Path, default=None, help="the released code's results folder")
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples (rliable's default: 50,000)")
+    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples (default 2,000; rliable's own is 50,000)")
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
     parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png")
     opts = parser.parse_args()
@@ -195,13 +195,13 @@ def main() -> None:
         f"Aggregate {mode}-normalised score over the {len(games)} games at {step:,} env steps (95% stratified-bootstrap CIs, {opts.reps:,} resamples):",
         "",
     ]
-    lines += ["| method | runs | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
+    lines += ["| method | seeds x games | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
     if score_dict:
         points, intervals = interval_estimates(score_dict, opts.reps)
         for m in score_dict:
             (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[m]
             lines.append(
-                f"| {m} | {len(score_dict[m])} | {points[m][0]:.3f} [{iqm_lo:.3f}, {iqm_hi:.3f}] | "
+                f"| {m} | {score_dict[m].shape[0]} x {score_dict[m].shape[1]} | {points[m][0]:.3f} [{iqm_lo:.3f}, {iqm_hi:.3f}] | "
                 f"{points[m][1]:.3f} [{mean_lo:.3f}, {mean_hi:.3f}] |"
             )
     x, y = opts.compare
