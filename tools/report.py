@@ -132,7 +132,9 @@ def main() -> None:
     parser.add_argument("--released", type=pathlib.Path, default=None, help="the released code's results folder")
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples (default 2,000; rliable's own is 50,000)")
+    parser.add_argument(
+        "--reps", type=int, default=2000, help="bootstrap resamples (default 2,000; rliable's own is 50,000)"
+    )
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
     parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png")
     opts = parser.parse_args()
