@@ -3,6 +3,7 @@ top-level definition (function, class, constant) both scripts have is the same t
 below, which differ by design; a fix made to one script only fails here."""
 
 import ast
+import sys
 
 from conftest import ROOT
 
@@ -49,3 +50,21 @@ def test_the_scripts_differ_only_in_env_network_and_defaults():
     assert not unexpected, f"the scripts' texts of {unexpected} differ: make the change in both scripts"
     assert differ == sorted(DIFFER), "a definition listed as differing by design is now the same: unlist it"
     assert len(set(procgen) & set(atari)) - len(DIFFER) >= 17  # the rest, shared word for word
+
+
+# The card's packages: a training run needs these and the standard library, nothing of tools/ (submitit, rliable, ...)
+PACKAGES = {"torch", "numpy", "tyro", "gymnasium", "procgen", "ale_py", "wandb", "gym_notices"}  # gym_notices: gym's
+
+
+def test_the_scripts_import_only_the_cards_packages():
+    for name in ("ppg_procgen.py", "ppg_atari.py"):
+        found = set()
+        for node in ast.walk(ast.parse((ROOT / name).read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                found.add(node.module)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "__import__":
+                found.add(node.args[0].value)
+        third_party = {module.split(".")[0] for module in found} - set(sys.stdlib_module_names)
+        assert third_party <= PACKAGES and {"torch", "numpy", "tyro"} <= third_party, (name, sorted(third_party))

@@ -132,9 +132,12 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     its planned step, each step logged once. (The signal is sent by hand, so the test does not hang on this machine's
     speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment.)"""
     argv = ["--name", "k", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--time-min", "30"]
-    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "640"]  # 10 rollouts in 5 phases
+    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "512"]  # 8 rollouts in 4 phases
     command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(tmp_path), *argv]
     folder = tmp_path / "k" / "dodgeball__ppg__1"
+    # its own process group, which Ctrl-C reaches, with SIGINT deliverable (a shell's background job would ignore it)
+    interactive = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    interactive["preexec_fn"] = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def wait_for_step(proc, step):
         deadline = time.time() + 120
@@ -143,7 +146,7 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
             time.sleep(0.1)
         time.sleep(0.3)  # into the next phase
 
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(command, **interactive)
     wait_for_step(proc, 128)
     job = job_process(tmp_path)
     environ = dict(v.split("=", 1) for v in pathlib.Path(f"/proc/{job}/environ").read_text().split("\0") if "=" in v)
@@ -152,23 +155,23 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     wait_for_step(proc, 256)
     log = (folder / "train.log").read_text()
     assert "stopped by SIGTERM; resume with" in log and re.search(
-        r"^\$ .* --resume .* --total-timesteps 640$", log, re.M
+        r"^\$ .* --resume .* --total-timesteps 512$", log, re.M
     )
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "run the same command to resume" in out and "Traceback" not in err, err
-    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 640
+    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 512
 
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(command, **interactive)
     wait_for_step(proc, 384)
     os.killpg(proc.pid, signal.SIGKILL)  # every process of the sweep at once
     proc.communicate(timeout=60)
-    assert final_step(folder) < 640
+    assert final_step(folder) < 512
     done = sweep(tmp_path, *argv)
     assert done.returncode == 0 and "resume " in done.stdout, done.stdout + done.stderr[-2000:]
     starts = re.findall(r"^# start", (folder / "train.log").read_text(), re.M)
     assert len(starts) == 4  # the first, the requeue's, after Ctrl-C, after SIGKILL
-    assert final_step(folder) == 640 and logged_steps(folder) == list(range(64, 641, 64))
+    assert final_step(folder) == 512 and logged_steps(folder) == list(range(64, 513, 64))
 
 
 def test_the_slurm_path_submits_an_array_with_resources_command_and_requeue(tmp_path):

@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
     parser.add_argument("--sweep", action="store_true", help="first, raw speed over precisions and chunk sizes")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw speed at the training chunks")
+    parser.add_argument("--raw-states", type=int, default=2048, help="states a raw-speed pass at the training chunks")
     parser.add_argument("--no-train", action="store_true", help="skip the scaled training run")
     parser.add_argument(
         "--set", action="append", default=[], metavar="FLAG=VALUE", help="change a flag of the scaled run: n-pi=2"
@@ -153,7 +154,7 @@ def main() -> None:
     chunks = dict(policy=min(chunk or minibatch, minibatch), aux=min(chunk or aux_states, aux_states))
     raw = {}
     for size in [] if opts.no_raw else sorted(set(chunks.values())):
-        raw[size] = raw_speed(module, agent_for(opts.precision), device, size)
+        raw[size] = raw_speed(module, agent_for(opts.precision), device, size, max(opts.raw_states, size))
         print(
             f"precision {opts.precision}, chunk {size}: raw forward {raw[size]['forward']:.0f} states/s, "
             f"forward+backward {raw[size]['forward+backward']:.0f} states/s",
