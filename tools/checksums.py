@@ -29,10 +29,12 @@ CONFIGS = {
     "pC": f"{PROCGEN} --arch shared --e-aux 0 --e-pi 4 --e-v 4",
     "pD": f"{PROCGEN} --aux-kl-stop 1e-9 --aux-mb-trajectories 2 --seed 7",
     "pE": f"{PROCGEN} --precision bf16",
+    "pF": f"{PROCGEN} --e-v 2 --num-minibatches 2",  # dual with E_pi != E_V: each network's epochs apart
     "pT": f"{PROCGEN} --num-levels 10 --precision tf32",  # on a CPU: pA's arithmetic (no TF32 there)
     "aA": f"{ATARI} --num-minibatches 2",
     "aB": f"{ATARI} --arch detach --norm-reward --aux-kl-stop 1e-9",
     "aC": f"{ATARI} --arch shared --e-aux 0 --e-pi 4 --e-v 4 --max-grad-norm 0.5",
+    "aF": f"{ATARI} --e-pi 2",  # dual with E_pi != E_V
 }
 
 
