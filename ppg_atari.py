@@ -2,17 +2,15 @@
 (ale-py), networks (Nature CNN), the PPG pieces, the rollout and the two phases, and main(): the paper's Algorithm 1."""
 
 import dataclasses
-import difflib
 import math
 import os
 import random
-import re
 import resource
 import signal
 import sys
 import time
 from collections import defaultdict, deque
-from typing import Dict, List, Literal, NamedTuple, Optional, Tuple
+from typing import Annotated, Dict, List, Literal, NamedTuple, Optional, Tuple
 
 import ale_py
 import gymnasium as gym
@@ -34,91 +32,90 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the first part of the run name
     seed: int = 1  # seed of python, numpy, torch and the envs (env i gets seed + i), in [0, 2^31)
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
-    cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers then live in GPU memory)
-    save_model: bool = False  # if toggled, save the weights and flags to `runs/{run_name}/{exp_name}.pt` at the end
-    resume: Optional[str] = None  # continue the run in this folder (or checkpoint file) from its last phase boundary
-    track: bool = False  # if toggled, log the run to Weights & Biases too (every TensorBoard scalar)
+    cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers live there too)
+    save_model: bool = False  # if toggled, save the weights to `runs/{run_name}/{exp_name}.pt`
+    resume: Optional[str] = None  # go on with the run in this folder (or checkpoint file)
+    track: bool = False  # if toggled, mirror every TensorBoard scalar to Weights & Biases
     wandb_project_name: str = "ppg"  # the W&B project of --track
-    wandb_entity: Optional[str] = None  # the W&B entity (user or team) of --track; None: the logged-in user's
+    wandb_entity: Optional[str] = None  # the W&B user or team of --track (None: yours)
 
-    # Environment
-    env_id: str = "BreakoutNoFrameskip-v4"  # the game, `BreakoutNoFrameskip-v4` style or `ALE/Breakout-v5` style
-    repeat_action_probability: Optional[float] = None  # sticky actions (None: 0 for *NoFrameskip-v4, 0.25 for v5)
-    episodic_life: bool = True  # if toggled, a lost life ends the episode for training (logged returns: whole games)
+    env_id: str = "BreakoutNoFrameskip-v4"  # the game, as `BreakoutNoFrameskip-v4` or `ALE/Breakout-v5`
+    repeat_action_probability: Optional[float] = None  # sticky actions (None: 0 for v4 ids, 0.25 for v5)
+    episodic_life: bool = True  # if toggled, a lost life ends a training episode (logs: whole games)
     clip_rewards: bool = True  # if toggled, train on sign(reward) (logged returns: raw game scores)
-    max_episode_frames: int = 108_000  # a game is cut after this many emulator frames (30 minutes of play)
+    max_episode_frames: int = 108_000  # a game ends after this many emulator frames (30 minutes)
 
-    # Policy phase (PPO)
-    total_timesteps: int = 10_000_000  # env steps in all (rounded UP to whole rollouts; the count is printed)
-    learning_rate: float = 2.5e-4  # Adam learning rate of both phases (constant, as in the paper)
-    anneal_lr: bool = False  # if toggled, every optimizer's rate falls linearly to 0 over the run's rollouts (CleanRL)
+    total_timesteps: int = 10_000_000  # env steps in all (rounded up to whole rollouts)
+    learning_rate: float = 2.5e-4  # Adam learning rate of both phases (constant; CleanRL anneals)
+    anneal_lr: bool = False  # if toggled, every Adam's rate falls linearly to 0 over the run (CleanRL)
     num_envs: int = 8  # parallel envs
     num_steps: int = 128  # steps per env in each rollout
     gamma: float = 0.99  # discount factor of GAE and the value targets
     gae_lambda: float = 0.95  # lambda of generalised advantage estimation
-    norm_reward: bool = False  # if toggled, divide rewards by the running std of their discounted return, clip to +-10
-    reward_norm_gamma: float = 0.99  # discount of the return whose running std scales rewards (0.99 in released code)
+    norm_reward: bool = False  # if toggled, scale rewards by the running std of their discounted return
+    reward_norm_gamma: float = 0.99  # discount of that return (0.99 in the released code)
     num_minibatches: int = 4  # PPO minibatches per epoch in the policy phase
     clip_coef: float = 0.1  # PPO clipping coefficient
     ent_coef: float = 0.01  # entropy bonus coefficient
-    max_grad_norm: float = 0.0  # clip each network's gradient norm to this (0 = no clipping, as in the paper)
+    max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
 
     # Phasic Policy Gradient
-    # `dual`: policy and value networks apart; `detach`: value head on detached features; `shared`: PPO's network
+    # `dual`: policy and value networks apart; `detach`: value head on detached features; `shared`: PPO's
     arch: Literal["dual", "detach", "shared"] = "dual"
-    n_pi: int = 32  # N_pi: policy-phase iterations (rollouts) per phase
-    e_pi: int = 1  # E_pi: epochs of the PPO policy loss on each rollout
-    e_v: int = 1  # E_V: epochs of the value loss on each rollout
-    e_aux: int = 6  # E_aux: auxiliary epochs per phase (0 disables the auxiliary phase: with arch shared, PPO)
-    beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the auxiliary joint loss
-    aux_mb_trajectories: int = 4  # whole --num-steps trajectories per aux minibatch (4 x 128 states)
-    aux_kl_stop: float = 0.02  # stop the aux phase after an epoch whose mean KL(pi_old || pi) exceeds this (0: never)
-    # states per forward/backward chunk: the same update in less memory (0: whole minibatches; None: 256 on a CPU)
+    n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
+    e_pi: Annotated[int, tyro.conf.arg(aliases=["--e-policy"])] = 1  # E_pi: policy epochs a rollout
+    e_v: int = 1  # E_V: value epochs a rollout (with E_pi == E_V one step trains both losses)
+    e_aux: Annotated[int, tyro.conf.arg(aliases=["--e-auxiliary"])] = 6  # E_aux: aux epochs a phase
+    beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux phase's joint loss
+    # whole --num-steps trajectories per aux minibatch
+    aux_mb_trajectories: Annotated[int, tyro.conf.arg(aliases=["--num-aux-rollouts"])] = 4
+    aux_kl_stop: float = 0.02  # KL guard: end the aux phase at a mean KL(pi_old || pi) above this
+    # states a forward/backward chunk: the same update, less memory (0: whole minibatches; None: 256 on a CPU)
     micro_batch_size: Optional[int] = None
-    # `fp32`; `tf32`: TF32 matmuls and convolutions on a GPU (plain fp32 on a CPU); `bf16`: autocast of the trunks
+    # `fp32`; `tf32`: TF32 matmuls and convolutions on a GPU (fp32 on a CPU); `bf16`: trunks in bf16
     precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
 
 def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
-    """(ALE/*-v5 id, sticky-action probability, most no-op starts, FIRE on reset): each id style keeps its protocol.
-    *NoFrameskip-v4: DQN's (no sticky actions, up to 30 no-ops, FIRE); ALE/*-v5: Machado et al. 2018 (sticky 0.25)."""
+    """(ALE/*-v5 id, sticky actions, most no-op starts, FIRE on reset): DQN's for *NoFrameskip-v4, Machado's for v5."""
     if env_id.endswith("NoFrameskip-v4"):
         return f"ALE/{env_id[: -len('NoFrameskip-v4')]}-v5", 0.0, 30, True
     return env_id, 0.25, 0, False
 
 
-def make_plan(args: Args) -> Dict[str, int]:
-    """Refuse in one line the values tyro accepts but the run cannot use; derive the run's counts once."""
-    rules = [
-        ("be a finite number", math.isfinite, " ".join(k for k, v in vars(args).items() if isinstance(v, float))),
-        ("be at least 1", lambda v: v >= 1, "num_envs num_steps num_minibatches n_pi e_pi e_v total_timesteps"),
-        ("be at least 1", lambda v: v >= 1, "aux_mb_trajectories max_episode_frames"),
-        ("be >= 0", lambda v: v >= 0, "e_aux micro_batch_size beta_clone ent_coef aux_kl_stop max_grad_norm"),
-        ("lie in [0, 1)", lambda v: 0 <= v < 1, "repeat_action_probability"),
-        ("be > 0", lambda v: v > 0, "learning_rate clip_coef"),
-        ("lie in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda reward_norm_gamma"),
-        ("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31, "seed"),
-    ]
-    for rule, ok, names in rules:
-        for name in names.split():
-            if getattr(args, name) is not None and not ok(getattr(args, name)):
-                sys.exit(f"error: --{name.replace('_', '-')} must {rule} (got {getattr(args, name)})")
+def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str, int]:
+    """Refuse in one line the values tyro accepts but the run cannot use; derive the run's counts once. A resumed run
+    (start_step, start_phase) begins a new phase at its checkpoint: its phases are counted on from there."""
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            sys.exit(f"error: --{name.replace('_', '-')} must be a finite number (got {value})")
+    at_least_1, at_least_0 = ("be at least 1", lambda v: v >= 1), ("be >= 0", lambda v: v >= 0)
+    positive, fraction = ("be > 0", lambda v: v > 0), ("lie in [0, 1]", lambda v: 0 <= v <= 1)
+    rules = dict(num_envs=at_least_1, num_steps=at_least_1, num_minibatches=at_least_1, n_pi=at_least_1)
+    rules.update(e_pi=at_least_1, e_v=at_least_1, total_timesteps=at_least_1, aux_mb_trajectories=at_least_1)
+    rules.update(e_aux=at_least_0, micro_batch_size=at_least_0, beta_clone=at_least_0, ent_coef=at_least_0)
+    rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, max_episode_frames=at_least_1)
+    rules.update(learning_rate=positive, clip_coef=positive, gamma=fraction, gae_lambda=fraction)
+    rules.update(reward_norm_gamma=fraction, repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
+    rules.update(seed=("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31))
+    for name, (rule, ok) in rules.items():
+        value = getattr(args, name)
+        if value is not None and not ok(value):
+            sys.exit(f"error: --{name.replace('_', '-')} must {rule} (got {value})")
     gym.register_envs(ale_py)  # only ALE/*-v5 ids have ale-py's vector env
     if (ale_id := ale_protocol(args.env_id)[0]) not in gym.registry or not ale_id.endswith("-v5"):
-        games = [k[4:-3] for k in gym.registry if k.startswith("ALE/") and k.endswith("-v5")]
-        close = difflib.get_close_matches(re.sub(r"^ALE/|(NoFrameskip|Deterministic)?-v\d+$", "", args.env_id), games)
-        hint = " or ".join(f"{g}NoFrameskip-v4" for g in close) or "BreakoutNoFrameskip-v4 or ALE/Breakout-v5"
-        sys.exit(f"error: --env-id {args.env_id} is not a game of ale-py's vector env; did you mean {hint}?")
+        sys.exit(f"error: --env-id {args.env_id}: not an ale-py game id, as BreakoutNoFrameskip-v4 or ALE/Breakout-v5")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         sys.exit(f"error: --num-minibatches {args.num_minibatches} does not divide a rollout's {batch_size} states")
-    num_iterations = -(-args.total_timesteps // batch_size)  # round UP: never train less than asked
-    aux_phases = (num_iterations - 1) // args.n_pi if args.e_aux > 0 else 0  # none after the last rollout
+    num_iterations = math.ceil(args.total_timesteps / batch_size)  # round UP: never train less than asked
+    phases_left = math.ceil((num_iterations - start_step // batch_size) / args.n_pi)
+    aux_phases = phases_left - 1 if args.e_aux > 0 and phases_left > 0 else 0  # none after the last rollout
     trajectories = args.n_pi * args.num_envs if aux_phases else args.num_envs  # the rows of the buffer B
     if aux_phases and trajectories % args.aux_mb_trajectories:
         sys.exit(f"error: --aux-mb-trajectories {args.aux_mb_trajectories} does not divide B's {trajectories} rows")
-    phases = -(-num_iterations // args.n_pi)
-    return dict(num_iterations=num_iterations, num_phases=phases, aux_phases=aux_phases, trajectories=trajectories)
+    num_phases = start_phase + phases_left
+    return dict(num_iterations=num_iterations, num_phases=num_phases, aux_phases=aux_phases, trajectories=trajectories)
 
 
 # ==== Environment =====================================================================================================
@@ -174,18 +171,12 @@ class NatureEncoder(nn.Module):
     def __init__(self, obs_shape: Tuple[int, ...], out_features=512):
         super().__init__()
         h, w, c = obs_shape
-        gain = math.sqrt(2)
-        self.convs = nn.Sequential(
-            orthogonal_init_(nn.Conv2d(c, 32, 8, stride=4), gain),
-            nn.ReLU(),
-            orthogonal_init_(nn.Conv2d(32, 64, 4, stride=2), gain),
-            nn.ReLU(),
-            orthogonal_init_(nn.Conv2d(64, 64, 3, stride=1), gain),
-            nn.ReLU(),
-        )
-        with torch.no_grad():
-            flat = self.convs(torch.zeros(1, c, h, w)).numel()
-        self.dense = orthogonal_init_(nn.Linear(flat, out_features), gain)
+        conv0 = orthogonal_init_(nn.Conv2d(c, 32, 8, stride=4), math.sqrt(2))
+        conv1 = orthogonal_init_(nn.Conv2d(32, 64, 4, stride=2), math.sqrt(2))
+        conv2 = orthogonal_init_(nn.Conv2d(64, 64, 3, stride=1), math.sqrt(2))
+        self.convs = nn.Sequential(conv0, nn.ReLU(), conv1, nn.ReLU(), conv2, nn.ReLU())
+        flat = self.convs(torch.zeros(1, c, h, w)).numel()  # the features a frame stack gives
+        self.dense = orthogonal_init_(nn.Linear(flat, out_features), math.sqrt(2))
         self.out_features = out_features
 
     def forward(self, obs_uint8: torch.Tensor) -> torch.Tensor:
@@ -204,19 +195,17 @@ class AgentOutput(NamedTuple):
 
 
 class PPGAgent(nn.Module):
-    """Policy network: trunk + policy head + auxiliary value head. The true value head sits
-    dual   - on its own trunk (the value network): no value gradient reaches the policy trunk;
-    detach - on the policy trunk's detached features: the trunk learns value only in the aux phase;
-    shared - on the policy trunk: value gradients reach it every step (PPO's usual network)."""
+    """Policy network: trunk + policy head + auxiliary value head. The true value head sits on its own trunk (`dual`:
+    the value network), on the policy trunk's detached features (`detach`), or on the policy trunk (`shared`: PPO's)."""
 
-    def __init__(self, arch: str, obs_shape: Tuple[int, ...], num_actions: int, bf16: bool = False):
+    def __init__(self, args: Args, obs_shape: Tuple[int, ...], num_actions: int):
         super().__init__()
-        self.arch, self.bf16 = arch, bf16
+        self.arch, self.bf16 = args.arch, args.precision == "bf16"
         self.pi_trunk = NatureEncoder(obs_shape)
         width = self.pi_trunk.out_features
         self.pi_head = orthogonal_init_(nn.Linear(width, num_actions), 0.01)  # a near-uniform first policy
         self.aux_value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
-        self.v_trunk = NatureEncoder(obs_shape) if arch == "dual" else None
+        self.v_trunk = NatureEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
@@ -224,19 +213,18 @@ class PPGAgent(nn.Module):
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
             return trunk(obs).float()
 
-    def forward(self, obs: torch.Tensor) -> AgentOutput:
-        h = self.features(self.pi_trunk, obs)
-        v = self.features(self.v_trunk, obs) if self.arch == "dual" else h.detach() if self.arch == "detach" else h
-        return AgentOutput(
-            logits=self.pi_head(h),
-            value=self.value_head(v).squeeze(-1),
-            aux_value=self.aux_value_head(h).squeeze(-1),
-            features=h,
-        )
-
-    def logits(self, obs: torch.Tensor) -> torch.Tensor:
-        """The policy alone (no value network pass): for the pi_old snapshot and evaluation."""
-        return self.pi_head(self.features(self.pi_trunk, obs))
+    def forward(self, obs: torch.Tensor, terms=("policy", "value")) -> AgentOutput:
+        """Every output. With `dual`, a call for one term runs that term's network alone: the pi_old snapshot and the
+        E_pi != E_V epochs skip the network they do not train (its outputs are None)."""
+        h = self.features(self.pi_trunk, obs) if "policy" in terms or self.arch != "dual" else None
+        if self.arch == "dual":
+            v = self.features(self.v_trunk, obs) if "value" in terms else None
+        else:
+            v = h.detach() if self.arch == "detach" else h
+        logits = None if h is None else self.pi_head(h)
+        value = None if v is None else self.value_head(v).squeeze(-1)
+        aux_value = None if h is None else self.aux_value_head(h).squeeze(-1)
+        return AgentOutput(logits=logits, value=value, aux_value=aux_value, features=h)
 
     def value_parameters(self) -> List[nn.Parameter]:  # theta_V: the value network (dual) or its head alone
         return [*(self.v_trunk.parameters() if self.v_trunk is not None else []), *self.value_head.parameters()]
@@ -337,7 +325,7 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
 def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
     """pi_old: the logits of the policy as it is NOW (after the policy phase) on every state of B, not the rollout's.
     Logits: policy_kl normalises both sides alike, so an unchanged policy has a KL of exactly 0."""
-    logits = [agent.logits(part) for part in obs_buffer.flatten(0, 1).split(chunk)]
+    logits = [agent(part, terms=("policy",)).logits for part in obs_buffer.flatten(0, 1).split(chunk)]
     return torch.cat(logits).view(*obs_buffer.shape[:2], -1)
 
 
@@ -350,7 +338,7 @@ def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dt
         actions=((), torch.long),
         logprobs=((), torch.float32),  # log pi(a|s) of the rollout's policy
         values=((), torch.float32),  # V(s) at rollout time
-        raw_rewards=((), torch.float32),  # the env's rewards
+        raw_rewards=((), torch.float32),  # the env wrapper's training rewards (Atari: clipped), before the normaliser
         rewards=((), torch.float32),  # as trained on: scaled by the reward normaliser when --norm-reward
         ended=((), torch.bool),  # the step ended its episode
         advantages=((), torch.float32),  # GAE, normalised per rollout
@@ -361,8 +349,7 @@ def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dt
 
 @torch.no_grad()
 def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str, torch.Tensor], step: int):
-    """num_steps steps of every env into ro, this rollout's rows of B. Returns the next obs, the step count, V of the
-    next obs (GAE's bootstrap) and the finished episodes' (step, return, length)."""
+    """num_steps steps of every env into ro (its rows of B); returns next obs, step, V(next obs), finished episodes."""
     episodes = []
     rewards, ended = np.zeros(ro["raw_rewards"].shape, np.float32), np.zeros(ro["ended"].shape, bool)  # on the host
     for t in range(ro["obs"].shape[1]):
@@ -381,8 +368,7 @@ def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str,
 
 
 def compute_targets(ro: Dict[str, torch.Tensor], next_value, args: Args, reward_normalizer: RewardNormalizer):
-    """Into a rollout's rows of B: the rewards trained on, V_hat = GAE advantages + V, and the advantages normalised
-    over the rollout. Returns V's explained variance. On the host: GAE is num_steps tiny steps."""
+    """Into a rollout's rows of B: rewards, V_hat = GAE + V and normalised advantages. Returns explained variance."""
     raw, ended, values = ro["raw_rewards"].cpu(), ro["ended"].cpu(), ro["values"].cpu()
     rewards = torch.from_numpy(reward_normalizer(raw.numpy(), ended.numpy())) if args.norm_reward else raw
     advantages, returns = compute_gae(rewards, values, ended, next_value.cpu(), args.gamma, args.gae_lambda)
@@ -415,16 +401,16 @@ def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args:
 
 def minibatch_means(logs: Dict[str, List[torch.Tensor]], where: str) -> Dict[str, float]:
     """Each statistic's mean over all its minibatches, in one host copy; a NaN or inf stops the run in one line."""
-    means = dict(zip(logs, torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()))
+    values = torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()  # the one host copy
+    means = {name: value for name, value in zip(logs, values)}
     if bad := [k for k, v in means.items() if not math.isfinite(v)]:
         sys.exit(f"error: non-finite {', '.join(bad)} in the {where}; stopped, the last checkpoint unchanged")
     return means
 
 
 def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, value_optimizer=None):
-    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout's states, in shuffled minibatches. As in the
-    released code: with E_pi == E_V one backward carries both losses; otherwise the E_V value epochs run first, with
-    their own Adam (value_optimizer), then the E_pi policy epochs. Returns each statistic's mean."""
+    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout, in shuffled minibatches, as the released code:
+    E_pi == E_V: one backward carries both; else the E_V epochs (their own Adam) run first. Returns the means."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
     epochs = [(("policy", "value"), args.e_pi, optimizer)]
     if args.e_pi != args.e_v:
@@ -432,9 +418,10 @@ def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tenso
     for terms, count, opt in epochs:
         for _ in range(count):
             for idx in torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches):
-                mb = {k: v[idx] for k, v in batch.items()}  # the whole minibatch: its own statistics go here
+                # the whole minibatch (its own statistics go here), without pi_old, which only the aux phase reads
+                mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}
                 stats = gradient_step(
-                    agent, opt, mb, args, lambda c: policy_phase_loss(agent(c["obs"]), c, args, terms)
+                    agent, opt, mb, args, lambda c: policy_phase_loss(agent(c["obs"], terms), c, args, terms)
                 )
                 for k, v in stats.items():
                     logs[k].append(v)
@@ -442,35 +429,47 @@ def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tenso
 
 
 def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor], args: Args) -> List[Dict]:
-    """pi_old snapshot into B, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories. The KL
-    guard stops after an epoch whose mean KL(pi_old || pi), measured apart from the loss, exceeds --aux-kl-stop."""
+    """pi_old snapshot into B, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories; the KL
+    guard stops after an epoch whose mean KL(pi_old || pi) exceeds --aux-kl-stop."""
     obs, epochs = buffers["obs"], []
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
     buffers["pi_old_logits"].copy_(snapshot_policy(agent, obs, chunk))
 
-    def loss_of(c):  # the loss, and the KL guard's own measurement
+    def loss_of(c):  # the loss, and the guard's KL(pi_old || pi): clone_kl, unless a hack changes the clone loss
         out = agent(c["obs"])
         loss, stats = aux_phase_loss(out, c, args)
         return loss, dict(stats, guard_kl=policy_kl(c["pi_old_logits"], out.logits.detach()))
 
-    for _ in range(args.e_aux):
-        logs = defaultdict(list)
+    for epoch in range(1, args.e_aux + 1):
+        logs, epoch_start = defaultdict(list), time.time()
         for traj in torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories):
             mb = {k: v[traj].flatten(0, 1) for k, v in buffers.items()}  # whole trajectories: row blocks of B
             for k, v in gradient_step(agent, optimizer, mb, args, loss_of).items():
                 logs[k].append(v)
         epochs.append(minibatch_means(logs, "auxiliary phase"))
-        if 0 < args.aux_kl_stop < epochs[-1]["guard_kl"] and len(epochs) < args.e_aux:
-            kl = f"mean KL(pi_old || pi) {epochs[-1]['guard_kl']:.4f} > --aux-kl-stop {args.aux_kl_stop}"
-            print(f"auxiliary phase stopped after epoch {len(epochs)}/{args.e_aux}: {kl}")
+        losses = f"aux_value_loss {epochs[-1]['aux_value_loss']:.4f} clone_kl {epochs[-1]['clone_kl']:.5f}"
+        print(f"aux epoch {epoch}/{args.e_aux}: {losses} ({time.time() - epoch_start:.1f}s)", flush=True)
+        if 0 < args.aux_kl_stop < epochs[-1]["guard_kl"] and epoch < args.e_aux:
+            print(f"KL guard: mean KL(pi_old || pi) {epochs[-1]['guard_kl']:.4f} > --aux-kl-stop: the aux phase stops")
             break
     return epochs
 
 
+def eta_text(args: Args, plan: Dict[str, int], rollouts_left: int, timings: Dict[str, List[float]]) -> str:
+    """The time left: the rollouts left at this start's mean time; the aux phases left at the last one's time or, before
+    one has run, at the update's time scaled by trunk passes (E_aux epochs over B; the pi_old snapshot, a third)."""
+    trunks = 2 if args.arch == "dual" else 1
+    update_passes = args.e_pi * trunks if args.e_pi == args.e_v else args.e_pi + args.e_v
+    aux_seconds = np.mean(timings["update"]) * args.n_pi * (args.e_aux * trunks + 1 / 3) / update_passes
+    aux_seconds = timings["aux"][-1] if timings["aux"] else aux_seconds
+    seconds = rollouts_left * np.mean(timings["rollout"]) + (plan["aux_phases"] - len(timings["aux"])) * aux_seconds
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds:.0f}s"
+
+
 def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, str]:
-    """The checkpoint of --resume and its flags (a flag added since takes its default), with those of `resumable` that
-    the command line gives (`given`; None: those off their defaults). Returns (args, checkpoint, the run's folder)."""
-    resumable = "resume total_timesteps cuda save_model micro_batch_size track wandb_project_name wandb_entity".split()
+    """The checkpoint of --resume and the run's flags from it (a flag added since: its default), but for those a resume
+    may change that the command line names (`given`; None: those off their defaults). Returns (args, ckpt, folder)."""
     path = os.path.join(args.resume, "checkpoint.pt") if os.path.isdir(args.resume) else args.resume
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: runs no code
@@ -478,33 +477,37 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
             raise ValueError(f"written by {state['script']}")
     except Exception as e:  # missing, truncated, another script's, or not a torch file at all
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
-    fields, defaults = [f.name for f in dataclasses.fields(Args)], Args()
+    fields = [field.name for field in dataclasses.fields(Args)]
     if unknown := sorted(set(state["args"]) - set(fields)):
         sys.exit(f"error: --resume {path}: written by a version of {SCRIPT} with flags this one lacks: {unknown}")
-    if missing := [name for name in fields if name not in state["args"]]:
-        print(f"{path}: written before --{', --'.join(missing).replace('_', '-')}: their defaults taken")
-    saved = {name: state["args"].get(name, getattr(defaults, name)) for name in fields}
-    given = {k for k, v in vars(args).items() if v != getattr(defaults, k)} if given is None else given & set(fields)
-    for name in [name for name in sorted(given - set(resumable)) if getattr(args, name) != saved[name]]:
-        sys.exit(
-            f"error: --{name.replace('_', '-')} {getattr(args, name)}: a resumed run keeps its flags ({saved[name]})"
-        )
-    if "total_timesteps" in given and args.total_timesteps < saved["total_timesteps"]:
-        sys.exit(f"error: --total-timesteps may only be raised on --resume (the run's: {saved['total_timesteps']})")
-    keep = {name: getattr(args, name) for name in given & set(resumable)}
-    return dataclasses.replace(Args(**saved), **keep), state, os.path.dirname(os.path.abspath(path))
+    saved = dict(vars(Args()), **state["args"])
+    if given is None:
+        given = {name for name in fields if getattr(args, name) != getattr(Args(), name)}
+    may_change = ["resume", "total_timesteps", "cuda", "save_model", "micro_batch_size", "track"]
+    may_change += ["wandb_project_name", "wandb_entity"]
+    for name in sorted(given & set(fields)):
+        value = getattr(args, name)
+        if name not in may_change and value != saved[name]:
+            sys.exit(f"error: --{name.replace('_', '-')} {value}: a resumed run keeps its flags ({saved[name]})")
+        if name == "total_timesteps" and value < saved[name]:
+            sys.exit(f"error: --total-timesteps may only be raised on --resume (the run's: {saved[name]})")
+        saved[name] = value
+    return Args(**saved), state, os.path.dirname(os.path.abspath(path))
 
 
 # ==== main(): the paper's Algorithm 1 =================================================================================
 def main(args: Args, given: Optional[set] = None) -> None:
     # ---- Setup: every flag checked and every count derived (and printed) before any env, buffer or log exists ----
     args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
-    plan = make_plan(args)
+    phase, global_step = (ckpt["phase"], ckpt["global_step"]) if ckpt else (0, 0)
+    plan = make_plan(args, global_step, phase)
     num_iterations, batch_size = plan["num_iterations"], args.num_envs * args.num_steps
+    iteration = global_step // batch_size
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     # TF32 only when asked: PyTorch runs cuDNN convolutions in TF32 by default on recent GPUs
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
-    if args.micro_batch_size is None:  # the fastest measured where the run starts (tools/benchmark.py --sweep)
+    micro_batch_flag = args.micro_batch_size  # checkpointed as given: a resume on another device takes its default
+    if args.micro_batch_size is None:  # the fastest measured on each device (tools/benchmark.py --sweep)
         args = dataclasses.replace(args, micro_batch_size=0 if device.type == "cuda" else 256)
     rows = (plan["trajectories"], args.num_steps)  # B: rows of whole trajectories, num_envs rows a rollout
     fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
@@ -516,21 +519,19 @@ def main(args: Args, given: Optional[set] = None) -> None:
         sys.exit(f"error: B needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is free: lower --n-pi or --num-envs")
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = run_dir or f"runs/{run_name}"
-    phase, global_step = (ckpt["phase"], ckpt["global_step"]) if ckpt else (0, 0)
-    iteration = global_step // batch_size
     rounded = " (--total-timesteps rounded up to whole rollouts)" * (num_iterations * batch_size > args.total_timesteps)
     tf32 = " (a CPU has no TF32: plain fp32)" * (args.precision == "tf32" and device.type != "cuda")
     print(
-        f"run {run_name} on {device}: {plan['num_phases']} phases, N_pi={args.n_pi}: {num_iterations} rollouts of "
-        f"{args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps{rounded}\n"
-        f"arch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
-        f"{plan['aux_phases']} auxiliary phases; PPO minibatch {batch_size // args.num_minibatches} states, aux "
-        f"minibatch {args.aux_mb_trajectories * args.num_steps}; buffers {needed / 2**30:.2f} GiB (uint8 frames)"
-        f"\nprecision {args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states"
+        f"run {run_name} on {device}: phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: "
+        f"{num_iterations} of {args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps"
+        f"{rounded}\narch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
+        f"aux phases: {plan['aux_phases']}; PPO minibatch {batch_size // args.num_minibatches} states, aux minibatch "
+        f"{args.aux_mb_trajectories * args.num_steps}; buffers {needed / 2**30:.2f} GiB (uint8 frames)\nprecision "
+        f"{args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states; a checkpoint "
+        f"after each phase, the first at step {global_step + min(args.n_pi, num_iterations - iteration) * batch_size:,}"
     )
 
-    # A resumed run draws from another random stream: the seed shifted by the phases done (wrapped to 31 bits)
-    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)
+    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume: another stream (31 bits for the env)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -541,31 +542,27 @@ def main(args: Args, given: Optional[set] = None) -> None:
             import wandb  # only with --track
 
             wandb.init(**config, id=ckpt and ckpt["wandb_id"], resume="allow", sync_tensorboard=True, save_code=True)
-        except Exception as e:  # not installed (pip install wandb==0.31.0), not logged in (wandb login), ...
-            sys.exit(f"error: --track: {type(e).__name__}: {e} (pip install wandb==0.31.0; wandb login)"[:300])
+        except Exception as e:  # not installed, not logged in, no network: the fix of each
+            fix = "pip install wandb==0.31.0" if isinstance(e, ImportError) else "wandb login, or WANDB_MODE=offline"
+            sys.exit(f"error: --track: {fix} ({type(e).__name__}: {e})"[:300])
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
-    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())  # each start's flags, at the step it starts from
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table, global_step)
 
     # The envs, the networks, the optimizers, the buffer B
     envs = AtariVecEnv(args, args.num_envs, seed)
-    agent = PPGAgent(args.arch, OBS_SHAPE, envs.num_actions, bf16=args.precision == "bf16").to(device)
+    agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)
     # Adams that persist across phases: the policy phase's, the aux phase's, the value epochs' (when E_pi != E_V)
     optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
     policy_optimizer, aux_optimizer, value_optimizer = optimizers
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
     stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer)
-    # Zeros: a field a hack adds reads 0 until it is filled, never stale memory
-    fields = buffer_fields(envs.num_actions).items()
+    fields = buffer_fields(envs.num_actions).items()  # zeros: a field a hack adds reads 0 until filled
     buffers = {k: torch.zeros((*rows, *shape), dtype=dtype, device=device) for k, (shape, dtype) in fields}
-    recent_returns, aux_epochs_done = deque(maxlen=100), 0
+    recent_returns, aux_epochs_done = deque(maxlen=100), ckpt["aux_epochs_done"] if ckpt else 0
     if ckpt:
         for name, thing in stateful.items():
             thing.load_state_dict(ckpt[name])
-        recent_returns.extend(ckpt["recent_returns"])
-        aux_epochs_done = ckpt["aux_epochs_done"]
         print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}")
 
     def stop(signum, frame):  # SIGTERM or Ctrl-C: say how to resume, exit with 128 + the signal
@@ -577,18 +574,20 @@ def main(args: Args, given: Optional[set] = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    start_time, start_step, start_phase = time.time(), global_step, phase  # this start's: SPS and ETA
+    start_time, start_step, timings = time.time(), global_step, dict(rollout=[], update=[], aux=[])  # SPS and ETA
     try:
         while iteration < num_iterations:
             phase, phase_start = phase + 1, time.time()
             # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
             for i in range(min(args.n_pi, num_iterations - iteration)):
-                iteration += 1
-                first = i * args.num_envs % plan["trajectories"]  # slot i of B IS this rollout's buffer
-                ro = {k: v[first : first + args.num_envs] for k, v in buffers.items()}
-                if args.anneal_lr:  # every optimizer (the aux phase keeps its phase's last rate), by the planned total:
-                    for group in (group for optimizer in optimizers for group in optimizer.param_groups):
-                        group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)  # a raised one too
+                iteration, rollout_start = iteration + 1, time.time()
+                slot = i if plan["aux_phases"] else 0  # B holds N_pi rollouts; without aux phases, one
+                ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}  # views
+                if args.anneal_lr:  # by the planned total (a raised one too); the aux phase keeps the last rate
+                    lr = args.learning_rate * (1 - (iteration - 1) / num_iterations)
+                    for optimizer in optimizers:
+                        for group in optimizer.param_groups:
+                            group["lr"] = lr
                 next_obs, global_step, next_value, episodes = collect_rollout(agent, envs, next_obs, ro, global_step)
                 explained_variance = compute_targets(ro, next_value, args, reward_normalizer)  # V_hat and A
                 for step, ep_return, length in episodes:
@@ -596,36 +595,37 @@ def main(args: Args, given: Optional[set] = None) -> None:
                     writer.add_scalar("charts/episodic_length", length, step)
                     recent_returns.append(ep_return)
                 batch = {k: v.flatten(0, 1) for k, v in ro.items()}  # the rollout's states
+                update_start = time.time()
                 stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer)
+                timings["update"].append(time.time() - update_start)
+                timings["rollout"].append(time.time() - rollout_start)
                 for k, v in dict(stats, explained_variance=explained_variance).items():
                     writer.add_scalar(f"losses/{k}", v, global_step)
                 writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
                 sps = (global_step - start_step) / (time.time() - start_time)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                # ETA at this start's SPS, which holds the aux phases once one has run (until then, it says so)
-                eta = (num_iterations * batch_size - global_step) / sps / 3600
-                eta_aux = " + aux phases, untimed yet" * (phase == start_phase + 1 <= plan["aux_phases"])
-                mean_return = np.mean(recent_returns) if recent_returns else math.nan  # of the last 100 episodes
                 progress = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
+                mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"  # last 100
                 losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
-                print(f"{progress} SPS {sps:.0f} ETA {eta:.1f}h{eta_aux} return {mean_return:.2f} {losses}", flush=True)
+                eta = eta_text(args, plan, num_iterations - iteration, timings)
+                print(f"{progress} SPS {sps:.0f} ETA {eta} return {mean_return} {losses}", flush=True)
 
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
-            aux_epochs, t0 = [], time.time()
+            aux_epochs, aux_start = [], time.time()
             if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout: nothing would use it
                 aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args)
+                timings["aux"].append(time.time() - aux_start)
                 aux_epochs_done += len(aux_epochs)
-                writer.add_scalar("charts/aux_epochs", len(aux_epochs), global_step)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB to GiB
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak
-            seconds = f"{time.time() - phase_start:.1f}s (aux phase {time.time() - t0:.1f}s)"
+            seconds = f"{time.time() - phase_start:.1f}s (aux phase {time.time() - aux_start:.1f}s)"
             print(f"phase {phase} done in {seconds}; peak {'GPU ' * (device.type == 'cuda')}memory {peak:.2f} GiB")
 
             # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
             writer.flush()  # what was logged up to it is on disk: a kill after it loses nothing of it
             state = {name: thing.state_dict() for name, thing in stateful.items()}
-            state.update(script=SCRIPT, run_name=run_name, args=vars(args), phase=phase, global_step=global_step)
-            state.update(aux_epochs_done=aux_epochs_done, recent_returns=list(recent_returns))
+            state.update(script=SCRIPT, run_name=run_name, args=dict(vars(args), micro_batch_size=micro_batch_flag))
+            state.update(phase=phase, global_step=global_step, aux_epochs_done=aux_epochs_done)
             state.update(wandb_id=wandb.run.id if args.track else ckpt and ckpt["wandb_id"])  # kept for --track
             with open(f"{run_dir}/checkpoint.pt.tmp", "wb") as f:
                 torch.save(state, f)
@@ -640,10 +640,11 @@ def main(args: Args, given: Optional[set] = None) -> None:
     if args.save_model:
         model = dict(script=SCRIPT, run_name=run_name, args=vars(args), agent=agent.state_dict())
         torch.save(model, f"{run_dir}/{args.exp_name}.pt")
-        print(f"model saved to {run_dir}/{args.exp_name}.pt")
+    print(f"checkpoint: {run_dir}/checkpoint.pt; evaluate it: python tools/evaluate.py {run_dir}/checkpoint.pt")
 
 
 if __name__ == "__main__":
-    # The flags named on the command line (--no-cuda names cuda): --resume tells them from the checkpoint's
+    # The flags named on the command line (--no-cuda names cuda), by our names: --resume tells them apart
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
-    main(tyro.cli(Args), given)
+    aliases = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
+    main(tyro.cli(Args), {aliases.get(name, name) for name in given})

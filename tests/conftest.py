@@ -154,9 +154,14 @@ def copy_run(run, cwd: pathlib.Path) -> pathlib.Path:
     return target
 
 
+# CleanRL's names of four flags, as the scripts' __main__ block maps them (tests/test_first_hour.py checks the two agree)
+ALIASES = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
+
+
 def given_flags(flags) -> set:
-    """The flag names of a command line, as the scripts' __main__ block collects them for --resume."""
-    return {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in flags if a.startswith("--")}
+    """The flag names of a command line, by our names, as the scripts' __main__ block collects them for --resume."""
+    given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in flags if a.startswith("--")}
+    return {ALIASES.get(name, name) for name in given}
 
 
 def refusal(script, flags, cwd, monkeypatch) -> str:

@@ -18,7 +18,7 @@ def test_env_id_styles_and_sticky_defaults():
     # v5: Machado et al. 2018: sticky actions 0.25 and no no-op starts or FIRE on reset
     assert atari.ale_protocol("ALE/Breakout-v5") == ("ALE/Breakout-v5", 0.25, 0, False)
     atari.make_plan(atari.Args(env_id="ALE/Pong-v5"))
-    with pytest.raises(SystemExit, match="did you mean SpaceInvadersNoFrameskip-v4"):
+    with pytest.raises(SystemExit, match="SpaceInvaderNoFrameskip-v4: not an ale-py game id, as Breakout"):
         atari.make_plan(atari.Args(env_id="SpaceInvaderNoFrameskip-v4"))
 
 
@@ -59,7 +59,7 @@ def test_whole_game_returns_logged_while_training_sees_lives_and_clipped_rewards
 
 def test_orthogonal_init():
     torch.manual_seed(0)
-    agent = atari.PPGAgent("dual", atari.OBS_SHAPE, 4)
+    agent = atari.PPGAgent(atari.Args(), atari.OBS_SHAPE, 4)
     for layer, gain in [
         (agent.pi_trunk.dense, math.sqrt(2)),
         (agent.pi_head, 0.01),

@@ -230,7 +230,7 @@ def test_rewards_are_normalised_before_gae(recorded):
 
 def test_max_grad_norm_clips_each_network_separately(script):
     torch.manual_seed(0)
-    agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+    agent = script.PPGAgent(script.Args(), script.OBS_SHAPE, 6)
     for p in agent.policy_parameters():
         p.grad = torch.full_like(p, 1e-4)
     for p in agent.value_parameters():
@@ -261,7 +261,7 @@ def test_entropy_bonus_is_added_with_its_coefficient(script):
     grads = {}
     for coef in (0.0, 0.01, 0.02):
         torch.manual_seed(0)
-        agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
+        agent = script.PPGAgent(script.Args(), script.OBS_SHAPE, 6)
         batch = dict(random_batch(script, 16, 6), advantages=torch.zeros(16))
         args = script.Args(num_envs=2, num_steps=8, num_minibatches=1, micro_batch_size=0, ent_coef=coef, e_v=1)
         recorded = {}
@@ -277,14 +277,14 @@ def test_entropy_bonus_is_added_with_its_coefficient(script):
         grads[coef] = torch.cat([g.flatten() for g in recorded.values()])
     assert torch.count_nonzero(grads[0.0]) == 0  # zero advantages: no policy-gradient signal at all
     with torch.no_grad():
-        logits = agent.logits(batch["obs"])
+        logits = agent(batch["obs"], terms=("policy",)).logits
         entropy = torch.distributions.Categorical(logits=logits).entropy().mean()
     assert float(entropy) < math.log(6)  # not at the maximum, so the bonus has a direction to push
     assert torch.allclose(grads[0.02], 2 * grads[0.01], rtol=1e-4, atol=1e-9)
     # the step direction raises the entropy: gradient descent on -coef * entropy
     torch.manual_seed(0)
-    agent = script.PPGAgent("dual", script.OBS_SHAPE, 6)
-    logits = agent.logits(batch["obs"])
+    agent = script.PPGAgent(script.Args(), script.OBS_SHAPE, 6)
+    logits = agent(batch["obs"], terms=("policy",)).logits
     (-torch.distributions.Categorical(logits=logits).entropy().mean()).backward()
     expected = torch.cat([p.grad.flatten() for p in agent.pi_head.parameters()])
     assert torch.allclose(grads[0.01], 0.01 * expected, rtol=1e-3, atol=1e-9)

@@ -29,7 +29,7 @@ def small_args(module, **overrides):
 
 def make_agent(module, arch, seed=0):
     torch.manual_seed(seed)
-    return module.PPGAgent(arch, module.OBS_SHAPE, A)
+    return module.PPGAgent(module.Args(arch=arch), module.OBS_SHAPE, A)
 
 
 def test_seed_worked_example(script):
@@ -160,9 +160,13 @@ def test_the_plan_line_gives_every_derived_count(script, tmp_path, monkeypatch, 
     with pytest.raises(Planned):
         main_in_process(script, [*flags, "--num-minibatches", "2", "--aux-mb-trajectories", "2"], tmp_path, monkeypatch)
     out = capsys.readouterr().out
-    assert "4 phases, N_pi=3: 10 rollouts of 4 envs x 8 steps = 320 env steps (--total-timesteps rounded up" in out
-    assert "3 auxiliary phases; PPO minibatch 16 states, aux minibatch 16" in out
+    assert (
+        "phases: 4 of N_pi=3 rollouts; rollouts: 10 of 4 envs x 8 steps = 320 env steps (--total-timesteps rounded"
+        in out
+    )
+    assert "aux phases: 3; PPO minibatch 16 states, aux minibatch 16" in out
     assert "precision tf32 (a CPU has no TF32: plain fp32); chunks of 256 states" in out
+    assert "a checkpoint after each phase, the first at step 96" in out  # phase 1: N_pi = 3 rollouts of 32 steps
     frame_bytes = 3 * 4 * 8 * math.prod(script.OBS_SHAPE)  # B: N_pi x num_envs trajectories of 8 steps
     assert f"buffers {frame_bytes / 2**30:.2f} GiB" in out
 
@@ -316,7 +320,7 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
     assert old.shape == (4, 8, A)
     with torch.no_grad():
         # the policy's logits as it is now (not log-probabilities), up to fp32 kernels' batch-size effects
-        assert torch.allclose(old, agent.logits(obs_buf.flatten(0, 1)).view(4, 8, A), atol=1e-6)
+        assert torch.allclose(old, agent(obs_buf.flatten(0, 1), terms=("policy",)).logits.view(4, 8, A), atol=1e-6)
 
 
 def test_kl_guard_stops_aux_phase(script, capsys):
@@ -358,3 +362,40 @@ def test_plan_counts_and_rounding(script):
     assert plan["trajectories"] == 3 * 4  # B holds N_pi rollouts of whole trajectories
     no_aux = script.make_plan(small_args(script, e_aux=0))
     assert no_aux["aux_phases"] == 0 and no_aux["trajectories"] == 2  # B is one rollout's buffer
+    # a resumed run (make_plan's start step and phase): its phases are counted on from its checkpoint
+    resumed = script.make_plan(args, start_step=7 * 32, start_phase=3)  # 7 rollouts done in 3 phases, 3 left
+    assert resumed["num_phases"] == 4 and resumed["aux_phases"] == 0 and resumed["trajectories"] == 4
+
+
+@pytest.mark.parametrize("e_pi, e_v", [(1, 1), (1, 2)])
+def test_policy_minibatches_skip_what_their_losses_do_not_read(script, e_pi, e_v):
+    """Wasted work the policy phase avoids: its minibatches never gather pi_old (the aux phase's alone: a pi_old of
+    the wrong length fails the indexing if gathered), and with `dual` and E_pi != E_V each single-loss epoch runs
+    only its own network (the value epochs skip the policy trunk, the policy epochs the value trunk)."""
+    agent = make_agent(script, "dual")
+    args = small_args(script, e_pi=e_pi, e_v=e_v)  # 2 minibatches an epoch
+    passes = {"pi": 0, "v": 0}
+    agent.pi_trunk.register_forward_hook(lambda *a: passes.__setitem__("pi", passes["pi"] + 1))
+    agent.v_trunk.register_forward_hook(lambda *a: passes.__setitem__("v", passes["v"] + 1))
+    batch = dict(random_batch(script, 16, A), pi_old_logits=torch.zeros(1, A))  # 1 row, not 16: never indexed
+    opts = [torch.optim.Adam(agent.parameters(), lr=1e-3) for _ in range(2)]
+    script.policy_phase_update(agent, opts[0], batch, args, opts[1])
+    if e_pi == e_v:  # one backward carries both losses: each minibatch runs both networks
+        assert passes == {"pi": 2 * e_pi, "v": 2 * e_pi}
+    else:
+        assert passes == {"pi": 2 * e_pi, "v": 2 * e_v}
+
+
+def test_the_eta_counts_the_aux_phases_from_the_first_rollout(script):
+    """Before an aux phase has run, the ETA costs each one left from the policy update's time: an aux phase runs
+    E_aux epochs of each trunk over B (N_pi rollouts' states) and the pi_old snapshot (a third of a trunk pass); an
+    update runs one pass of each trunk over one rollout (E_pi == E_V). Once one has run, its measured time counts."""
+    args = script.Args()  # dual, N_pi 32, E_aux 6, E_pi = E_V = 1
+    plan = dict(aux_phases=2)
+    timings = dict(rollout=[10.0], update=[4.0], aux=[])
+    aux_estimate = 4.0 * 32 * (6 * 2 + 1 / 3) / 2  # 789.3 s
+    assert script.eta_text(args, plan, 63, timings) == f"0h{round((63 * 10 + 2 * aux_estimate) / 60):02d}m"
+    timings["aux"].append(1000.0)  # one aux phase ran: one left, at its time
+    assert script.eta_text(args, plan, 31, timings) == f"0h{round((31 * 10 + 1000) / 60):02d}m"
+    assert script.eta_text(args, dict(aux_phases=0), 2, dict(rollout=[10.0], update=[4.0], aux=[])) == "20s"
+    assert script.eta_text(args, dict(aux_phases=0), 500, dict(rollout=[10.0], update=[4.0], aux=[])) == "1h23m"

@@ -193,7 +193,7 @@ def make_pair(script, rel, arch: str):
         if not procgen:
             patch.setattr(torch.nn.init, "orthogonal_", fast_orthogonal_)
         torch.manual_seed(0)
-        agent = script.PPGAgent(arch, script.OBS_SHAPE, script.NUM_ACTIONS)
+        agent = script.PPGAgent(script.Args(arch=arch), script.OBS_SHAPE, script.NUM_ACTIONS)
         trunk = None if procgen else type(agent.pi_trunk)
         model = rs.released_model(rel, arch, script.OBS_SHAPE, script.NUM_ACTIONS, trunk)
     names = rs.parameter_map(agent, impala=procgen)
@@ -223,7 +223,7 @@ def test_normed_init(rel, arch):
     them, equal ours for the layer of the same role; every bias is zero on both sides."""
     script = load_script("ppg_procgen.py")
     torch.manual_seed(0)
-    agent = script.PPGAgent(arch, script.OBS_SHAPE, script.NUM_ACTIONS)
+    agent = script.PPGAgent(script.Args(arch=arch), script.OBS_SHAPE, script.NUM_ACTIONS)
     torch.manual_seed(1)
     model = rs.released_model(rel, arch, script.OBS_SHAPE, script.NUM_ACTIONS)
     layers = rs.layer_map(agent)

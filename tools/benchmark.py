@@ -127,8 +127,8 @@ def main() -> None:
         torch.manual_seed(0)
         # the TF32 setting the script makes for this precision (TF32 only with tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
-        bf16 = precision == "bf16"
-        return module.PPGAgent(opts.arch, module.OBS_SHAPE, module.NUM_ACTIONS, bf16=bf16).to(device)
+        args = module.Args(arch=opts.arch, precision=precision)
+        return module.PPGAgent(args, module.OBS_SHAPE, module.NUM_ACTIONS).to(device)
 
     if opts.sweep:
         print("raw forward+backward states/s (chunk 0 = 2,048 states at once)")

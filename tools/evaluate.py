@@ -92,7 +92,7 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
     while any(len(r) < q for r, q in zip(returns, quota)):
         if video_dir:
             frames.append(obs[0] if obs.shape[-1] == 3 else obs[0, :, :, -1])
-        logits = agent.logits(torch.from_numpy(obs).to(device))
+        logits = agent(torch.from_numpy(obs).to(device), terms=("policy",)).logits  # the policy network alone
         obs, _, _, finished = envs.step(
             torch.distributions.Categorical(logits=logits, validate_args=False).sample().cpu().numpy()
         )
@@ -130,7 +130,7 @@ def main() -> None:
     device = torch.device("cuda" if not opts.cpu and torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     num_actions = state["agent"]["pi_head.weight"].shape[0]  # the game's own action set, as trained
-    agent = module.PPGAgent(args.arch, module.OBS_SHAPE, num_actions, bf16=args.precision == "bf16")
+    agent = module.PPGAgent(args, module.OBS_SHAPE, num_actions)
     agent.load_state_dict(state["agent"])
     agent.to(device).eval()
     torch.manual_seed(opts.seed)

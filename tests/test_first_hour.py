@@ -1,0 +1,56 @@
+"""A new user's first hour: the README's first run as written (train, resume, evaluate), CleanRL's names of four
+flags as aliases of ours (on --resume too), and the console lines a run prints."""
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import tyro
+
+from conftest import ALIASES, ROOT, SCRIPTS, copy_run, load_script, run_script
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_cleanrl_names_parse_as_ours(name):
+    """Each alias gives the same Args as our name, and the __main__ block maps the same names (for --resume)."""
+    script = load_script(name)
+    for alias, ours in ALIASES.items():
+        as_alias = tyro.cli(script.Args, args=[f"--{alias.replace('_', '-')}", "3"])
+        assert as_alias == tyro.cli(script.Args, args=[f"--{ours.replace('_', '-')}", "3"]) != script.Args(), alias
+    main_block = next(n for n in ast.parse((ROOT / name).read_text()).body if isinstance(n, ast.If))
+    mapping = next(n.value for n in ast.walk(main_block) if isinstance(n, ast.Assign) and n.targets[0].id == "aliases")
+    assert {keyword.arg: keyword.value.value for keyword in mapping.keywords} == ALIASES
+
+
+def test_an_alias_counts_on_resume(tiny_run, tmp_path):
+    """--e-policy is --e-pi: on --resume, a value other than the run's is refused in one line, not silently ignored."""
+    run = copy_run(tiny_run("ppg_procgen.py"), tmp_path)
+    proc = run_script("ppg_procgen.py", "--resume", str(run), "--e-policy", "2", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: --e-pi 2: a resumed run keeps its flags (1)" in proc.stderr
+
+
+def test_the_readme_first_run_trains_resumes_and_evaluates_as_written(tmp_path):
+    """The README's first-run block, line by line in a shell, in a folder holding the script and tools/ as the
+    repository does: it trains, resumes from its checkpoint to a raised budget, and evaluates the policy."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- first-run:.*?-->\n```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line for line in block.splitlines() if line.strip()]
+    assert [c.split()[1] for c in commands] == ["ppg_procgen.py", "ppg_procgen.py", "tools/evaluate.py"]
+    (tmp_path / "ppg_procgen.py").symlink_to(ROOT / "ppg_procgen.py")
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    outputs = []
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, (command, done.stderr[-3000:])
+        outputs.append(done.stdout)
+    assert "a checkpoint after each phase, the first at step 256" in outputs[0] and "aux epoch 2/2" in outputs[0]
+    assert "resumed from" in outputs[1] and "phase 3/3 iter 5/5 step 640" in outputs[1]
+    assert "step 640" in outputs[2] and "mean return" in outputs[2]
