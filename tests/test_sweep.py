@@ -65,13 +65,40 @@ def test_a_finished_sweep_run_again_starts_nothing(sweep_grid):
     assert {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()} == before
 
 
+def mains_in_one_process(root: pathlib.Path, argvs: list) -> list:
+    """(what it stopped with, or None; what it printed) of the tool's main() with each of these command lines, as the
+    command line calls it, in one process started for them all (one start of Python, torch and the script)."""
+    code = f"""
+import contextlib, importlib.util, io, json, sys
+spec = importlib.util.spec_from_file_location("sweep_tool", {str(ROOT / "tools" / "sweep.py")!r})
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+for argv in json.loads(sys.argv[1]):
+    printed, stop = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(printed):
+            tool.main(["--root", {str(root)!r}, *argv])
+    except SystemExit as e:
+        stop = str(e.code)
+    print(json.dumps([stop, printed.getvalue()]))
+"""
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, timeout=600)
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(argvs), done.stdout + done.stderr[-2000:]
+    return results
+
+
 def test_dry_run_and_bad_input_submit_nothing(tmp_path):
     """--dry-run prints the jobs (as a user runs it); bad input stops in one line before any job or folder exists (in
     this process: the same main() the command line runs)."""
     argv = ["--name", "x", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "ppo"]
-    done = sweep(tmp_path, *argv, "--dry-run", "--", *SWEEP_TINY)
+    budget = SWEEP_TINY.index("--total-timesteps")
+    tiny = [*SWEEP_TINY[:budget], *SWEEP_TINY[budget + 2 :], "--total-timesteps=192"]  # the budget as --flag=value
+    done = sweep(tmp_path, *argv, "--dry-run", "--", *tiny)
     assert done.returncode == 0 and done.stdout.count("start  ") == 2 and "2 runs, 0 done, 2 to run" in done.stdout
     assert "--arch shared --e-aux 0 --e-pi 3 --e-v 3" in done.stdout  # ppo: the paper's baseline
+    # the budget given is the one the runs take: the script's default is not added after it (where it would win)
+    assert done.stdout.count("--total-timesteps") == 2 and done.stdout.count("--total-timesteps=192") == 2
     done = sweep(tmp_path, "--name", "x", "--games", "all", "--seeds", "1", "--methods", "ppg", "--dry-run")
     assert done.returncode == 0 and "16 runs, 0 done, 16 to run" in done.stdout and "starpilot__ppg__1" in done.stdout
     cases = [
@@ -87,31 +114,40 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
             "error: dodgeball mine: --e-aux",
         ),
         (["--games", "dodgeball", "--jobs", "0"], "error: --jobs must be at least 1"),
+        (["--games", "dodgeball", "--threads", "-1"], "error: --threads must be at least 0"),
+        # the grid's own flags, in either form, after -- or in a method: they would win over the grid's values while
+        # the run's folder is named by the grid's
+        (["--games", "dodgeball", "--", "--seed", "5"], "error: --seed after --: the grid gives each run its own"),
+        (["--games", "dodgeball", "--", "--env-id=bigfish"], "error: --env-id after --: the grid gives each run"),
+        (["--games", "dodgeball", "--", "--exp-name", "mine"], "error: --exp-name after --: the grid gives each"),
+        (
+            ["--games", "dodgeball", "--method", "mine=--seed=3", "--methods", "mine"],
+            "error: --method mine: --seed is the grid's",
+        ),
     ]
-    # each case through the tool's main(), as its command line calls it, in one process (one start for all six)
-    code = f"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("sweep_tool", {str(ROOT / "tools" / "sweep.py")!r})
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
-for argv in json.loads(sys.argv[1]):
-    try:
-        tool.main(["--root", {str(tmp_path)!r}, "--name", "bad", *argv])
-        print("no stop")
-    except SystemExit as e:
-        print(json.dumps(str(e.code)))
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", code, json.dumps([argv for argv, _ in cases])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    messages = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(messages) == len(cases), done.stdout + done.stderr[-2000:]
-    for (argv, needle), message in zip(cases, messages):
-        assert message.startswith(needle) and "\n" not in message, (argv, message)
+    # --dry-run: were a refusal missing, nothing would start (each refusal comes before the dry run's listing)
+    results = mains_in_one_process(tmp_path, [["--name", "bad", "--dry-run", *argv] for argv, _ in cases])
+    for (argv, needle), (message, _) in zip(cases, results):
+        assert message is not None and message.startswith(needle) and "\n" not in message, (argv, message)
     assert not (tmp_path / "bad").exists() and not (tmp_path / "x").exists()  # nothing submitted, no folder made
+
+
+def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):
+    """A run with a checkpoint resumes with the flags it started with (the budget raised): the script keeps a resumed
+    run's training flags, so one changed since its start stops the sweep in one line, before anything is submitted,
+    instead of being silently ignored. (--dry-run on the shared grid's finished runs: nothing is written.)"""
+    argv = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--total-timesteps", "256"]
+    (same, printed), (changed, _) = mains_in_one_process(sweep_grid.root, [argv, [*argv, "--ent-coef", "0.02"]])
+    assert same is None and "4 runs, 0 done, 4 to run" in printed, printed
+    resumes = [line for line in printed.splitlines() if line.startswith("resume ")]
+    assert len(resumes) == 4 and all(
+        re.search(r" --resume \S+/runs/\S+ --env-id dodgeball --seed \d", r) for r in resumes
+    )
+    assert all(r.endswith("--total-timesteps 256") or "--arch shared" in r for r in resumes)  # ppo: its flags last
+    assert changed.startswith(
+        "error: dodgeball__ppg__1 has a checkpoint (change no training flag, or use a new --name)"
+    )
+    assert "--ent-coef 0.02: a resumed run keeps its flags (0.01)" in changed and "\n" not in changed, changed
 
 
 def job_process(root: pathlib.Path) -> int:
@@ -212,9 +248,11 @@ def load_sweep():
 
 
 def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
-    """Local, 2 GPUs (faked): one job a GPU at once, each job told its own GPU through visible_gpus, all jobs run."""
+    """Local, 2 GPUs (faked): one job a GPU at once, each job told its own GPU through visible_gpus, all jobs run,
+    each with its share of the cores as OpenMP threads (16 cores faked: 8 a job), which its training process gets."""
     tool, log, running = load_sweep(), [], set()
     monkeypatch.setattr(tool, "POLL_S", 0.01)
+    monkeypatch.setattr(tool.os, "cpu_count", lambda: 16)
 
     class Job:
         def __init__(self, gpus):
@@ -235,8 +273,8 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
         def update_parameters(self, visible_gpus=()):
             self.gpus = visible_gpus
 
-        def submit(self, function, *args):
-            assert self.gpus not in running  # its GPU is free
+        def submit(self, function, script, folder, flags, total, threads):
+            assert self.gpus not in running and threads == 8  # its GPU is free; half the cores
             running.add(self.gpus)
             log.append(self.gpus)
             return Job(self.gpus)
@@ -246,6 +284,11 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
     assert tool.run_local(opts, "ppg_procgen.py", jobs, Executor()) == 0
     assert len(log) == 5 and set(log) == {(0,), (1,)} and log[:2] == [(0,), (1,)]
     assert "GPU 1" in capsys.readouterr().out
+    # what a job runs gets them: OMP_NUM_THREADS in its training process (a stand-in script that prints it)
+    script = tmp_path / "script.py"
+    script.write_text("import os; print('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS'))\n")
+    assert tool.TrainRun()(str(script), str(tmp_path / "run"), [], 1, 8) == "run: trained to step 1"
+    assert "OMP_NUM_THREADS 8" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_checkpoint_stops_the_training_process_and_resubmits_the_same_call(tmp_path):
