@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, copy_run
+from conftest import PATIENCE_S, ROOT, SCRIPTS, copy_run
 
 
 def evaluate(path, *flags: str) -> subprocess.CompletedProcess:
@@ -20,7 +20,7 @@ def evaluate(path, *flags: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE_S,
     )
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SWEEP_GAMES
+from conftest import PATIENCE_S, ROOT, SWEEP_GAMES
 
 
 def load_report():
@@ -27,7 +27,7 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
         [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep_grid.folder), "--reps", "200", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE_S,
         env={k: v for k, v in os.environ.items() if k != "PPG_RELEASED_CODE"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -89,7 +89,8 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     write_run(sweep, "bigfish", "ppg", 1, [1.0] * 150 + [3.0] * 100, last=10 * 65_536)
     write_run(sweep, "bigfish", "ppg", 2, [5.0] * 100, last=12 * 65_536)
     argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep), "--released", str(results), "--reps", "100"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)  # (rliable's imports hold on to stderr)
+    # (a process of its own: rliable's imports hold on to stderr)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     # step 655,360 (both seeds reached it): seed 1's last 100 episodes by then are 3.0, seed 2's are 5.0; the released

@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from conftest import ROOT, SWEEP_GAMES, SWEEP_TINY, sweep
+from conftest import PATIENCE_S, ROOT, SWEEP_GAMES, SWEEP_TINY, sweep
 
 
 def starts_and_ends(folder: pathlib.Path) -> list:
@@ -82,7 +82,9 @@ for argv in json.loads(sys.argv[1]):
         stop = str(e.code)
     print(json.dumps([stop, printed.getvalue()]))
 """
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, timeout=PATIENCE_S
+    )
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(results) == len(argvs), done.stdout + done.stderr[-2000:]
     return results
@@ -166,48 +168,72 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     same sweep); the sweep gets Ctrl-C (SIGINT to its process group, as a terminal sends it: exit 130, no traceback);
     every process of it is killed (SIGKILL, a lost machine). Each new run of the command resumes, and the run ends at
     its planned step, each step logged once. (The signal is sent by hand, so the test does not hang on this machine's
-    speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment.)"""
+    speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment. Each stop
+    waits for a checkpoint of the start it stops, read from the files, not from the time: a loaded machine runs the
+    test and the jobs at any speed.)"""
     argv = ["--name", "k", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--time-min", "30"]
-    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "512"]  # 8 rollouts in 4 phases
+    # 10 rollouts in 5 phases: the last stop (after the third start's first checkpoint: phase 3, or 4 on a slow
+    # Ctrl-C) leaves at least a phase to run
+    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "640"]
     command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(tmp_path), *argv]
     folder = tmp_path / "k" / "dodgeball__ppg__1"
     # its own process group, which Ctrl-C reaches, with SIGINT deliverable (a shell's background job would ignore it)
     interactive = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     interactive["preexec_fn"] = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    def wait_for_step(proc, step):
-        deadline = time.time() + 120
-        while not list(folder.glob("runs/*/checkpoint.pt")) or final_step(folder) < step:
+    def checkpoint_of_start(start: int) -> bool:
+        """Whether the run's start number `start` (1, 2, ...) has written a checkpoint."""
+        log = folder / "train.log"
+        starts = [float(t) for t in re.findall(r"^# start ([\d.]+)", log.read_text(), re.M)] if log.exists() else []
+        found = list(folder.glob("runs/*/checkpoint.pt"))
+        return len(starts) >= start and bool(found) and found[0].stat().st_mtime > starts[start - 1]
+
+    def wait_for_checkpoint(proc, start: int):
+        deadline = time.time() + PATIENCE_S  # a hang guard only
+        while not checkpoint_of_start(start):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
             time.sleep(0.1)
         time.sleep(0.3)  # into the next phase
 
+    def wait_until_gone(proc):
+        """Until every process of the ended sweep's process group (its jobs' and training processes) has ended too."""
+        deadline = time.time() + PATIENCE_S
+        while True:
+            try:
+                os.killpg(proc.pid, 0)  # raises once no process of the group is left
+            except ProcessLookupError:
+                return
+            assert time.time() < deadline, "a process of the sweep outlived it"
+            time.sleep(0.2)
+
     proc = subprocess.Popen(command, **interactive)
-    wait_for_step(proc, 128)
+    wait_for_checkpoint(proc, 1)
     job = job_process(tmp_path)
     environ = dict(v.split("=", 1) for v in pathlib.Path(f"/proc/{job}/environ").read_text().split("\0") if "=" in v)
     assert (environ["SUBMITIT_LOCAL_TIMEOUT_S"], environ["SUBMITIT_LOCAL_SIGNAL_DELAY_S"]) == ("1800", "7")
     os.kill(job, signal.SIGUSR2)  # what the controller sends at 30 min - 7 s
-    wait_for_step(proc, 256)
+    wait_for_checkpoint(proc, 2)  # the requeued start's first
     log = (folder / "train.log").read_text()
     assert "stopped by SIGTERM; resume with" in log and re.search(
-        r"^\$ .* --resume .* --total-timesteps 512$", log, re.M
+        r"^\$ .* --resume .* --total-timesteps 640$", log, re.M
     )
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 130 and "run the same command to resume" in out and "Traceback" not in err, err
-    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 512
+    wait_until_gone(proc)  # the training process may end after the sweep on a loaded machine
+    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 640
 
     proc = subprocess.Popen(command, **interactive)
-    wait_for_step(proc, 384)
+    wait_for_checkpoint(proc, 3)
     os.killpg(proc.pid, signal.SIGKILL)  # every process of the sweep at once
-    proc.communicate(timeout=60)
-    assert final_step(folder) < 512
+    proc.communicate(timeout=PATIENCE_S)
+    wait_until_gone(proc)
+    assert final_step(folder) < 640
     done = sweep(tmp_path, *argv)
     assert done.returncode == 0 and "resume " in done.stdout, done.stdout + done.stderr[-2000:]
     starts = re.findall(r"^# start", (folder / "train.log").read_text(), re.M)
     assert len(starts) == 4  # the first, the requeue's, after Ctrl-C, after SIGKILL
-    assert final_step(folder) == 512 and logged_steps(folder) == list(range(64, 513, 64))
+    assert final_step(folder) == 640 and logged_steps(folder) == list(range(64, 641, 64))
 
 
 def test_the_slurm_path_submits_an_array_with_resources_command_and_requeue(tmp_path):

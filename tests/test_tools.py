@@ -106,12 +106,15 @@ def test_benchmark_reports_raw_speed_and_the_loop_efficiency(tmp_path):
     raw = float(re.search(r"forward\+backward (\d+) states/s", out).group(1))
     update, aux = map(float, re.search(r"policy update (\d+), aux epochs (\d+)", out).groups())
     efficiency = re.search(r"efficiency .*: policy update ([\d.]+), aux epochs ([\d.]+)", out).groups()
-    assert float(efficiency[0]) == pytest.approx(update / raw, abs=0.006)
-    assert float(efficiency[1]) == pytest.approx(aux / raw, abs=0.006)
+    for achieved, printed in ((update, efficiency[0]), (aux, efficiency[1])):
+        # speeds printed as whole states/s, the ratio to 2 decimals: on a loaded machine the speeds are low enough
+        # for their rounding to move the ratio more than its own
+        assert (achieved - 0.5) / (raw + 0.5) - 0.005 <= float(printed) <= (achieved + 0.5) / (raw - 0.5) + 0.005
     assert 0.1 < float(efficiency[1]) < 3
     pattern = r"first phase ([\d.]+) s: rollouts ([\d.]+) s, policy updates ([\d.]+) s, aux phase ([\d.]+) s"
     phase, *parts = map(float, re.search(pattern, out).groups())
-    assert sum(parts) - 0.02 <= phase <= sum(parts) + 0.5  # its parts (each rounded), and the little between them
+    # its parts (each rounded), and what runs between them: little, but the scheduler may pause it on a busy machine
+    assert sum(parts) - 0.02 <= phase <= 1.2 * sum(parts) + 0.5
     steps_per_s = float(re.search(r"whole-phase env steps/s ([\d.]+)", out).group(1))
     assert steps_per_s == pytest.approx(2 * 8 * 32 / phase, rel=0.01)  # N_pi rollouts over the first phase
 
