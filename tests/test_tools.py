@@ -1,5 +1,5 @@
 """tools/summarise_run.py and tools/plot_runs.py, which turn runs' TensorBoard logs into the README's evidence
-figures and plots."""
+figures and plots; tools/benchmark.py; and every tool's --help."""
 
 import importlib.util
 import subprocess
@@ -173,3 +173,26 @@ def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys)
             assert table["peak RSS"][column + seed - 1] == f"{peak:.2f} GiB", (method, seed)
         for at, a, b in zip(("100k", "250k", "500k"), *seeds):
             assert abs(float(table[at][column + 2]) - (a + b) / 2) <= 0.0051, (method, at)
+
+
+@pytest.mark.parametrize(
+    "tool, default",
+    [
+        ("sweep.py", "each run's --seed (default: [1, 2, 3])"),
+        ("evaluate.py", "per evaluation set (default: 100)"),
+        ("report.py", "rliable's own default is 50,000 (default: 2000)"),
+        ("benchmark.py", "a raw-speed pass at the training chunks (default: 2048)"),
+        ("plot_runs.py", "the figure's title (default: charts/episodic_return)"),
+        ("summarise_run.py", "env steps (default: [100000, 250000, 500000])"),
+        ("checksums.py", "which configs (default: ['pA', 'pB'"),
+    ],
+)
+def test_every_tools_help_gives_its_defaults(tool, default, monkeypatch, capsys):
+    """`python tools/TOOL --help`, as its command line runs it (in this process), shows each option's default."""
+    import runpy
+
+    monkeypatch.setenv("COLUMNS", "200")  # one line an option, as argparse wraps to the terminal's width
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "tools" / tool), "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / "tools" / tool), run_name="__main__")
+    assert stopped.value.code == 0 and default in capsys.readouterr().out

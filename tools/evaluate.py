@@ -27,6 +27,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+from helptext import DefaultsHelpFormatter  # noqa: E402
 from scores import normalised_score  # noqa: E402
 
 SCRIPTS = ("ppg_procgen.py", "ppg_atari.py")
@@ -108,7 +109,7 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or a --save-model file")
     parser.add_argument("--episodes", type=int, default=100, help="episodes (Atari: whole games) per evaluation set")
     parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")

@@ -28,6 +28,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from helptext import DefaultsHelpFormatter  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
@@ -127,16 +128,19 @@ def probability_of_improvement(x: np.ndarray, y: np.ndarray, reps: int, seed: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("folder", type=pathlib.Path, help="a sweep's folder, runs/<name>")
-    parser.add_argument("--released", type=pathlib.Path, default=None, help="the released code's results folder")
+    parser.add_argument(
+        "--released",
+        type=pathlib.Path,
+        default=None,
+        help="the released code's results folder (default: $PPG_RELEASED_CODE/phasic_policy_gradient/results)",
+    )
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument(
-        "--reps", type=int, default=2000, help="bootstrap resamples (default 2,000; rliable's own is 50,000)"
-    )
+    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples; rliable's own default is 50,000")
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
-    parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png")
+    parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png (default: FOLDER/report)")
     opts = parser.parse_args()
     if not opts.folder.is_dir():
         sys.exit(f"error: {opts.folder}: not a folder")

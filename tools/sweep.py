@@ -40,6 +40,9 @@ import time
 import submitit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
+
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
 GRID_FLAGS = ("--env-id", "--seed", "--exp-name")  # the grid's own: a run's folder is named by them
 POLL_S = 0.5  # how often the local queue looks at its jobs
@@ -246,17 +249,19 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     common = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--name", required=True, help="the sweep's name: its runs go to <root>/<name>/")
-    parser.add_argument("--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"))
+    parser.add_argument(
+        "--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"), help="the training script"
+    )
     parser.add_argument(
         "--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games"
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="each run's --seed")
     parser.add_argument("--methods", nargs="+", default=["ppg", "ppo"], help="built in: ppg, ppo; more by --method")
     parser.add_argument("--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method")
     parser.add_argument("--root", default="runs", help="where the sweep's folder goes")
-    parser.add_argument("--cluster", choices=("local", "slurm"), default="local")
+    parser.add_argument("--cluster", choices=("local", "slurm"), default="local", help="where the jobs run")
     parser.add_argument("--jobs", type=int, default=1, help="local, without GPUs: jobs at once")
     parser.add_argument("--gpus", type=int, default=None, help="local: GPUs to use (default: all visible)")
     parser.add_argument(
