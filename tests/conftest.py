@@ -23,6 +23,9 @@ import torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ["ppg_procgen.py", "ppg_atari.py"]
+# How long a test waits for a process it started: a guard against a hang, never a speed check. On a loaded 2-core
+# machine (here: beside a training run that the CPU's scheduler favoured) one tiny run took over 20 minutes.
+PATIENCE_S = 3600
 
 # The smallest runs that still exercise every phase: 3 rollouts in 2 phases, so one auxiliary
 # phase runs (and none after the last rollout). Finished episodes must be logged even in a run
@@ -79,7 +82,7 @@ def script(request):
     return load_script(request.param)
 
 
-def run_script(name: str, *flags: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_script(name: str, *flags: str, cwd, timeout: float = PATIENCE_S) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, str(ROOT / name), *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
@@ -200,7 +203,7 @@ SWEEP_GAMES = ["dodgeball"]
 SWEEP_TINY = _TINY
 
 
-def sweep(root, *argv: str, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+def sweep(root, *argv: str, timeout: float = PATIENCE_S, **popen) -> subprocess.CompletedProcess:
     """`python tools/sweep.py --root ROOT argv...`, as a user runs it."""
     command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(root), *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, copy_run
+from conftest import PATIENCE_S, ROOT, SCRIPTS, copy_run
 
 
 def evaluate(path, *flags: str) -> subprocess.CompletedProcess:
@@ -20,15 +20,40 @@ def evaluate(path, *flags: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE_S,
     )
 
 
-def run_tool(monkeypatch, capsys, *argv: str) -> str:
-    """tools/evaluate.py's main() in this process with this command line; returns what it printed."""
+def run_tool(monkeypatch, capsys, *argv: str, levels=None) -> str:
+    """tools/evaluate.py's main() in this process with this command line; returns what it printed. With a list as
+    `levels`, each Procgen env set it builds appends (its num_levels and start_level, the level seeds it played), read
+    from Procgen's own info at each step."""
     spec = importlib.util.spec_from_file_location("evaluate_tool", ROOT / "tools" / "evaluate.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    if levels is not None:
+        load_script = tool.load_script
+
+        def load_recording(name):
+            module = load_script(name)
+
+            class RecordingEnv(module.ProcgenVecEnv):
+                def __init__(self, *a, **k):
+                    super().__init__(*a, **k)
+                    played, step = set(), self.env.step
+                    levels.append(((k["num_levels"], k["start_level"]), played))
+
+                    def recorded_step(actions):
+                        result = step(actions)
+                        played.update(info[key] for info in result[3] for key in ("prev_level_seed", "level_seed"))
+                        return result
+
+                    self.env.step = recorded_step
+
+            module.ProcgenVecEnv = RecordingEnv
+            return module
+
+        monkeypatch.setattr(tool, "load_script", load_recording)
     monkeypatch.setattr(sys, "argv", ["evaluate.py", *argv])
     capsys.readouterr()
     tool.main()
@@ -46,7 +71,13 @@ def test_evaluate_checkpoint_and_saved_model(tmp_path, name, tiny_run, monkeypat
     for path in (run_dir / "checkpoint.pt", saved_model):
         video = ["--capture-video"] if path == saved_model else []
         if path == saved_model or name == "ppg_procgen.py":  # in this process; Atari's checkpoint as a user runs it
-            out = run_tool(monkeypatch, capsys, str(path), "--episodes", "4", "--cpu", *video)
+            levels = [] if name == "ppg_procgen.py" else None
+            out = run_tool(monkeypatch, capsys, str(path), "--episodes", "4", "--cpu", *video, levels=levels)
+            if levels is not None:  # what each set really played, by Procgen's level seeds
+                (training, played_training), (unseen, played_unseen) = levels
+                assert training == (10, 0) and played_training <= set(range(10)) and len(played_training) >= 4
+                assert unseen == (0, 0) and len(played_unseen) >= 4  # the full distribution: random 31-bit levels
+                assert min(played_unseen) >= 10_000 and max(played_unseen) >= 2**20, played_unseen
         else:
             done = evaluate(path, "--episodes", "4", "--cpu", *video)
             assert done.returncode == 0, done.stderr
@@ -54,7 +85,8 @@ def test_evaluate_checkpoint_and_saved_model(tmp_path, name, tiny_run, monkeypat
         lines = [line for line in out.splitlines() if "mean return" in line]
         assert [line.split(":")[0] for line in lines] == expected
         assert all("over 4 episodes" in line for line in lines)
-        report = json.loads(path.with_suffix(".eval.json").read_text())
+        step = "step192-" if path.name == "checkpoint.pt" else ""  # a checkpoint's step; a model file has none
+        report = json.loads((run_dir / f"{path.stem}.eval-{step}4ep-seed0.json").read_text())
         assert report["script"] == name and report["episodes"] == 4
         assert report["global_step"] == (192 if path.name == "checkpoint.pt" else None)
         assert len(report["sets"]) == len(expected)
@@ -62,8 +94,26 @@ def test_evaluate_checkpoint_and_saved_model(tmp_path, name, tiny_run, monkeypat
             assert result["n"] == len(result["returns"]) == 4 and math.isfinite(result["mean"])
             assert ("normalised_mean" in result) == (name == "ppg_procgen.py")
     # --capture-video: an mp4 of each of env 0's counted episodes (4 episodes over 4 envs: one a set)
-    videos = list(run_dir.glob("videos-eval/*/episode-0.mp4"))
+    videos = list(run_dir.glob(f"{saved_model.stem}.videos-4ep-seed0/*/episode-0.mp4"))
     assert len(videos) == len(expected) and all(v.stat().st_size > 1000 for v in videos)
+
+
+def test_an_evaluation_never_replaces_another(tmp_path, tiny_run, monkeypatch, capsys):
+    """Each report is named by what it depends on: other --episodes or --seed write another file beside it; the same
+    file at the same step and settings is refused in one line, before any env is built, and the report stays."""
+    path = copy_run(tiny_run("ppg_atari.py"), tmp_path) / "checkpoint.pt"
+    run_tool(monkeypatch, capsys, str(path), "--episodes", "2", "--cpu")
+    first = path.parent / "checkpoint.eval-step192-2ep-seed0.json"
+    before = first.read_bytes()
+    out = run_tool(monkeypatch, capsys, str(path), "--episodes", "1", "--cpu")
+    assert "written to " + str(path.parent / "checkpoint.eval-step192-1ep-seed0.json") in out
+    with pytest.raises(SystemExit) as stopped:
+        run_tool(monkeypatch, capsys, str(path), "--episodes", "2", "--cpu", "--capture-video")
+    line = str(stopped.value.code)
+    assert line == (
+        f"error: {first} exists: evaluated before at this --episodes and --seed (remove it to evaluate again)"
+    )
+    assert first.read_bytes() == before and not list(path.parent.glob("*.videos-*"))
 
 
 def test_a_truncated_checkpoint_gets_one_line(tmp_path, tiny_run, monkeypatch, capsys):
@@ -84,9 +134,9 @@ def test_evaluate_takes_the_tf32_setting_from_the_run(tmp_path, tiny_run, monkey
 
     run_dir = copy_run(tiny_run("ppg_atari.py"), tmp_path)
     path = run_dir / "checkpoint.pt"
-    for precision in ("tf32", "fp32"):
+    for seed, precision in enumerate(("tf32", "fp32")):  # a seed each: an evaluation never replaces another
         state = torch.load(path, weights_only=True)
         torch.save(dict(state, args=dict(state["args"], precision=precision)), path)
-        out = run_tool(monkeypatch, capsys, str(path), "--episodes", "1", "--cpu")
+        out = run_tool(monkeypatch, capsys, str(path), "--episodes", "1", "--cpu", "--seed", str(seed))
         assert torch.backends.cudnn.allow_tf32 == (precision == "tf32") == torch.backends.cuda.matmul.allow_tf32
         assert "on cpu" in out

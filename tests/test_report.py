@@ -3,6 +3,7 @@ matches), rliable's IQM, mean and intervals over a runs x games matrix, the prob
 
 import importlib.util
 import os
+import re
 import pathlib
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SWEEP_GAMES
+from conftest import PATIENCE_S, ROOT, SWEEP_GAMES
 
 
 def load_report():
@@ -27,7 +28,7 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
         [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep_grid.folder), "--reps", "200", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE_S,
         env={k: v for k, v in os.environ.items() if k != "PPG_RELEASED_CODE"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -89,7 +90,8 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     write_run(sweep, "bigfish", "ppg", 1, [1.0] * 150 + [3.0] * 100, last=10 * 65_536)
     write_run(sweep, "bigfish", "ppg", 2, [5.0] * 100, last=12 * 65_536)
     argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep), "--released", str(results), "--reps", "100"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)  # (rliable's imports hold on to stderr)
+    # (a process of its own: rliable's imports hold on to stderr)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     # step 655,360 (both seeds reached it): seed 1's last 100 episodes by then are 3.0, seed 2's are 5.0; the released
@@ -106,3 +108,46 @@ def test_released_rows_are_read_from_the_real_results():
     assert len(runs) == 3
     row = [float(path.read_text().splitlines()[1 + 99]) for path in runs]  # row 99: 100 x 65,536 steps
     assert report.released_return(results, "ppo", "starpilot", 100 * 65_536) == pytest.approx(np.mean(row))
+
+
+def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monkeypatch, capsys):
+    """Fewer than 2 seeds of a method in every game: its point estimates alone, a line saying why there is no interval
+    and no P(X > Y), no band on its curve; the figure's title gives the game count and the seeds a method, and names
+    bands only where it draws them. (In this process, with the figure's title and bands read as it is saved.)"""
+    import matplotlib.figure
+
+    report, drawn = load_report(), []
+
+    def savefig(figure, *args, **kwargs):
+        (ax,) = figure.axes
+        drawn.append((ax.get_title(), len(ax.lines), len(ax.collections)))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+
+    def report_of(folder) -> str:
+        monkeypatch.setattr(sys, "argv", ["report.py", str(folder), "--reps", "50", "--points", "4"])
+        report.main()
+        return capsys.readouterr().out
+
+    one = tmp_path / "one"  # 1 game, 1 seed of each method
+    for method, value in (("ppg", 10.0), ("ppo", 8.0)):
+        write_run(one, "bigfish", method, 1, [value] * 20, last=2 * 65_536)
+    out = report_of(one)
+    assert "2 runs: 1 game x methods" in out and "over the 1 game at" in out
+    assert "| ppg | 1 x 1 | 0.250 | 0.250 |" in out and "| ppo | 1 x 1 | 0.200 | 0.200 |" in out
+    assert "No interval where a method has fewer than 2 seeds in every game (ppg has 1 seed, ppo has 1 seed)." in out
+    assert (
+        "P(ppg > ppo) needs more seeds: at least 2 of each method in every game." in out and "P(ppg > ppo) =" not in out
+    )
+    assert drawn[-1] == ("one: 1 game, 1 seed a method", 2, 0)  # two lines, no band, no interval named
+
+    mixed = tmp_path / "mixed"  # ppg: 2 seeds (intervals), ppo: 1 (none)
+    for method, seed, value in (("ppg", 1, 10.0), ("ppg", 2, 12.0), ("ppo", 1, 8.0)):
+        write_run(mixed, "bigfish", method, seed, [value] * 20, last=2 * 65_536)
+    out = report_of(mixed)
+    assert re.search(r"\| ppg \| 2 x 1 \| 0\.275 \[\S+, \S+\] \| 0\.275 \[\S+, \S+\] \|", out), out
+    assert "| ppo | 1 x 1 | 0.200 | 0.200 |" in out and "(ppo has 1 seed)" in out
+    assert "P(ppg > ppo) needs more seeds" in out
+    title = "mixed: 1 game, seeds ppg 2, ppo 1\nbands (ppg only): 95% stratified-bootstrap CIs"
+    assert drawn[-1] == (title, 2, 1)  # two lines, one band

@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from conftest import ROOT, SWEEP_GAMES, SWEEP_TINY, sweep
+from conftest import PATIENCE_S, ROOT, SWEEP_GAMES, SWEEP_TINY, sweep
 
 
 def starts_and_ends(folder: pathlib.Path) -> list:
@@ -65,13 +65,42 @@ def test_a_finished_sweep_run_again_starts_nothing(sweep_grid):
     assert {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()} == before
 
 
+def mains_in_one_process(root: pathlib.Path, argvs: list) -> list:
+    """(what it stopped with, or None; what it printed) of the tool's main() with each of these command lines, as the
+    command line calls it, in one process started for them all (one start of Python, torch and the script)."""
+    code = f"""
+import contextlib, importlib.util, io, json, sys
+spec = importlib.util.spec_from_file_location("sweep_tool", {str(ROOT / "tools" / "sweep.py")!r})
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+for argv in json.loads(sys.argv[1]):
+    printed, stop = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(printed):
+            tool.main(["--root", {str(root)!r}, *argv])
+    except SystemExit as e:
+        stop = str(e.code)
+    print(json.dumps([stop, printed.getvalue()]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, timeout=PATIENCE_S
+    )
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(argvs), done.stdout + done.stderr[-2000:]
+    return results
+
+
 def test_dry_run_and_bad_input_submit_nothing(tmp_path):
     """--dry-run prints the jobs (as a user runs it); bad input stops in one line before any job or folder exists (in
     this process: the same main() the command line runs)."""
     argv = ["--name", "x", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "ppo"]
-    done = sweep(tmp_path, *argv, "--dry-run", "--", *SWEEP_TINY)
+    budget = SWEEP_TINY.index("--total-timesteps")
+    tiny = [*SWEEP_TINY[:budget], *SWEEP_TINY[budget + 2 :], "--total-timesteps=192"]  # the budget as --flag=value
+    done = sweep(tmp_path, *argv, "--dry-run", "--", *tiny)
     assert done.returncode == 0 and done.stdout.count("start  ") == 2 and "2 runs, 0 done, 2 to run" in done.stdout
     assert "--arch shared --e-aux 0 --e-pi 3 --e-v 3" in done.stdout  # ppo: the paper's baseline
+    # the budget given is the one the runs take: the script's default is not added after it (where it would win)
+    assert done.stdout.count("--total-timesteps") == 2 and done.stdout.count("--total-timesteps=192") == 2
     done = sweep(tmp_path, "--name", "x", "--games", "all", "--seeds", "1", "--methods", "ppg", "--dry-run")
     assert done.returncode == 0 and "16 runs, 0 done, 16 to run" in done.stdout and "starpilot__ppg__1" in done.stdout
     cases = [
@@ -87,31 +116,40 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
             "error: dodgeball mine: --e-aux",
         ),
         (["--games", "dodgeball", "--jobs", "0"], "error: --jobs must be at least 1"),
+        (["--games", "dodgeball", "--threads", "-1"], "error: --threads must be at least 0"),
+        # the grid's own flags, in either form, after -- or in a method: they would win over the grid's values while
+        # the run's folder is named by the grid's
+        (["--games", "dodgeball", "--", "--seed", "5"], "error: --seed after --: the grid gives each run its own"),
+        (["--games", "dodgeball", "--", "--env-id=bigfish"], "error: --env-id after --: the grid gives each run"),
+        (["--games", "dodgeball", "--", "--exp-name", "mine"], "error: --exp-name after --: the grid gives each"),
+        (
+            ["--games", "dodgeball", "--method", "mine=--seed=3", "--methods", "mine"],
+            "error: --method mine: --seed is the grid's",
+        ),
     ]
-    # each case through the tool's main(), as its command line calls it, in one process (one start for all six)
-    code = f"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("sweep_tool", {str(ROOT / "tools" / "sweep.py")!r})
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
-for argv in json.loads(sys.argv[1]):
-    try:
-        tool.main(["--root", {str(tmp_path)!r}, "--name", "bad", *argv])
-        print("no stop")
-    except SystemExit as e:
-        print(json.dumps(str(e.code)))
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", code, json.dumps([argv for argv, _ in cases])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    messages = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(messages) == len(cases), done.stdout + done.stderr[-2000:]
-    for (argv, needle), message in zip(cases, messages):
-        assert message.startswith(needle) and "\n" not in message, (argv, message)
+    # --dry-run: were a refusal missing, nothing would start (each refusal comes before the dry run's listing)
+    results = mains_in_one_process(tmp_path, [["--name", "bad", "--dry-run", *argv] for argv, _ in cases])
+    for (argv, needle), (message, _) in zip(cases, results):
+        assert message is not None and message.startswith(needle) and "\n" not in message, (argv, message)
     assert not (tmp_path / "bad").exists() and not (tmp_path / "x").exists()  # nothing submitted, no folder made
+
+
+def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):
+    """A run with a checkpoint resumes with the flags it started with (the budget raised): the script keeps a resumed
+    run's training flags, so one changed since its start stops the sweep in one line, before anything is submitted,
+    instead of being silently ignored. (--dry-run on the shared grid's finished runs: nothing is written.)"""
+    argv = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--total-timesteps", "256"]
+    (same, printed), (changed, _) = mains_in_one_process(sweep_grid.root, [argv, [*argv, "--ent-coef", "0.02"]])
+    assert same is None and "4 runs, 0 done, 4 to run" in printed, printed
+    resumes = [line for line in printed.splitlines() if line.startswith("resume ")]
+    assert len(resumes) == 4 and all(
+        re.search(r" --resume \S+/runs/\S+ --env-id dodgeball --seed \d", r) for r in resumes
+    )
+    assert all(r.endswith("--total-timesteps 256") or "--arch shared" in r for r in resumes)  # ppo: its flags last
+    assert changed.startswith(
+        "error: dodgeball__ppg__1 has a checkpoint (change no training flag, or use a new --name)"
+    )
+    assert "--ent-coef 0.02: a resumed run keeps its flags (0.01)" in changed and "\n" not in changed, changed
 
 
 def job_process(root: pathlib.Path) -> int:
@@ -130,48 +168,72 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     same sweep); the sweep gets Ctrl-C (SIGINT to its process group, as a terminal sends it: exit 130, no traceback);
     every process of it is killed (SIGKILL, a lost machine). Each new run of the command resumes, and the run ends at
     its planned step, each step logged once. (The signal is sent by hand, so the test does not hang on this machine's
-    speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment.)"""
+    speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment. Each stop
+    waits for a checkpoint of the start it stops, read from the files, not from the time: a loaded machine runs the
+    test and the jobs at any speed.)"""
     argv = ["--name", "k", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--time-min", "30"]
-    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "512"]  # 8 rollouts in 4 phases
+    # 10 rollouts in 5 phases: the last stop (after the third start's first checkpoint: phase 3, or 4 on a slow
+    # Ctrl-C) leaves at least a phase to run
+    argv += ["--signal-delay-s", "7", "--", *SWEEP_TINY, "--total-timesteps", "640"]
     command = [sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(tmp_path), *argv]
     folder = tmp_path / "k" / "dodgeball__ppg__1"
     # its own process group, which Ctrl-C reaches, with SIGINT deliverable (a shell's background job would ignore it)
     interactive = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     interactive["preexec_fn"] = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    def wait_for_step(proc, step):
-        deadline = time.time() + 120
-        while not list(folder.glob("runs/*/checkpoint.pt")) or final_step(folder) < step:
+    def checkpoint_of_start(start: int) -> bool:
+        """Whether the run's start number `start` (1, 2, ...) has written a checkpoint."""
+        log = folder / "train.log"
+        starts = [float(t) for t in re.findall(r"^# start ([\d.]+)", log.read_text(), re.M)] if log.exists() else []
+        found = list(folder.glob("runs/*/checkpoint.pt"))
+        return len(starts) >= start and bool(found) and found[0].stat().st_mtime > starts[start - 1]
+
+    def wait_for_checkpoint(proc, start: int):
+        deadline = time.time() + PATIENCE_S  # a hang guard only
+        while not checkpoint_of_start(start):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
             time.sleep(0.1)
         time.sleep(0.3)  # into the next phase
 
+    def wait_until_gone(proc):
+        """Until every process of the ended sweep's process group (its jobs' and training processes) has ended too."""
+        deadline = time.time() + PATIENCE_S
+        while True:
+            try:
+                os.killpg(proc.pid, 0)  # raises once no process of the group is left
+            except ProcessLookupError:
+                return
+            assert time.time() < deadline, "a process of the sweep outlived it"
+            time.sleep(0.2)
+
     proc = subprocess.Popen(command, **interactive)
-    wait_for_step(proc, 128)
+    wait_for_checkpoint(proc, 1)
     job = job_process(tmp_path)
     environ = dict(v.split("=", 1) for v in pathlib.Path(f"/proc/{job}/environ").read_text().split("\0") if "=" in v)
     assert (environ["SUBMITIT_LOCAL_TIMEOUT_S"], environ["SUBMITIT_LOCAL_SIGNAL_DELAY_S"]) == ("1800", "7")
     os.kill(job, signal.SIGUSR2)  # what the controller sends at 30 min - 7 s
-    wait_for_step(proc, 256)
+    wait_for_checkpoint(proc, 2)  # the requeued start's first
     log = (folder / "train.log").read_text()
     assert "stopped by SIGTERM; resume with" in log and re.search(
-        r"^\$ .* --resume .* --total-timesteps 512$", log, re.M
+        r"^\$ .* --resume .* --total-timesteps 640$", log, re.M
     )
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 130 and "run the same command to resume" in out and "Traceback" not in err, err
-    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 512
+    wait_until_gone(proc)  # the training process may end after the sweep on a loaded machine
+    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 640
 
     proc = subprocess.Popen(command, **interactive)
-    wait_for_step(proc, 384)
+    wait_for_checkpoint(proc, 3)
     os.killpg(proc.pid, signal.SIGKILL)  # every process of the sweep at once
-    proc.communicate(timeout=60)
-    assert final_step(folder) < 512
+    proc.communicate(timeout=PATIENCE_S)
+    wait_until_gone(proc)
+    assert final_step(folder) < 640
     done = sweep(tmp_path, *argv)
     assert done.returncode == 0 and "resume " in done.stdout, done.stdout + done.stderr[-2000:]
     starts = re.findall(r"^# start", (folder / "train.log").read_text(), re.M)
     assert len(starts) == 4  # the first, the requeue's, after Ctrl-C, after SIGKILL
-    assert final_step(folder) == 512 and logged_steps(folder) == list(range(64, 513, 64))
+    assert final_step(folder) == 640 and logged_steps(folder) == list(range(64, 641, 64))
 
 
 def test_the_slurm_path_submits_an_array_with_resources_command_and_requeue(tmp_path):
@@ -212,9 +274,11 @@ def load_sweep():
 
 
 def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
-    """Local, 2 GPUs (faked): one job a GPU at once, each job told its own GPU through visible_gpus, all jobs run."""
+    """Local, 2 GPUs (faked): one job a GPU at once, each job told its own GPU through visible_gpus, all jobs run,
+    each with its share of the cores as OpenMP threads (16 cores faked: 8 a job), which its training process gets."""
     tool, log, running = load_sweep(), [], set()
     monkeypatch.setattr(tool, "POLL_S", 0.01)
+    monkeypatch.setattr(tool.os, "cpu_count", lambda: 16)
 
     class Job:
         def __init__(self, gpus):
@@ -235,8 +299,8 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
         def update_parameters(self, visible_gpus=()):
             self.gpus = visible_gpus
 
-        def submit(self, function, *args):
-            assert self.gpus not in running  # its GPU is free
+        def submit(self, function, script, folder, flags, total, threads):
+            assert self.gpus not in running and threads == 8  # its GPU is free; half the cores
             running.add(self.gpus)
             log.append(self.gpus)
             return Job(self.gpus)
@@ -246,6 +310,11 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
     assert tool.run_local(opts, "ppg_procgen.py", jobs, Executor()) == 0
     assert len(log) == 5 and set(log) == {(0,), (1,)} and log[:2] == [(0,), (1,)]
     assert "GPU 1" in capsys.readouterr().out
+    # what a job runs gets them: OMP_NUM_THREADS in its training process (a stand-in script that prints it)
+    script = tmp_path / "script.py"
+    script.write_text("import os; print('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS'))\n")
+    assert tool.TrainRun()(str(script), str(tmp_path / "run"), [], 1, 8) == "run: trained to step 1"
+    assert "OMP_NUM_THREADS 8" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_checkpoint_stops_the_training_process_and_resubmits_the_same_call(tmp_path):

@@ -1,5 +1,5 @@
 """tools/summarise_run.py and tools/plot_runs.py, which turn runs' TensorBoard logs into the README's evidence
-figures and plots."""
+figures and plots; tools/benchmark.py; and every tool's --help."""
 
 import importlib.util
 import subprocess
@@ -106,12 +106,15 @@ def test_benchmark_reports_raw_speed_and_the_loop_efficiency(tmp_path):
     raw = float(re.search(r"forward\+backward (\d+) states/s", out).group(1))
     update, aux = map(float, re.search(r"policy update (\d+), aux epochs (\d+)", out).groups())
     efficiency = re.search(r"efficiency .*: policy update ([\d.]+), aux epochs ([\d.]+)", out).groups()
-    assert float(efficiency[0]) == pytest.approx(update / raw, abs=0.006)
-    assert float(efficiency[1]) == pytest.approx(aux / raw, abs=0.006)
+    for achieved, printed in ((update, efficiency[0]), (aux, efficiency[1])):
+        # speeds printed as whole states/s, the ratio to 2 decimals: on a loaded machine the speeds are low enough
+        # for their rounding to move the ratio more than its own
+        assert (achieved - 0.5) / (raw + 0.5) - 0.005 <= float(printed) <= (achieved + 0.5) / (raw - 0.5) + 0.005
     assert 0.1 < float(efficiency[1]) < 3
     pattern = r"first phase ([\d.]+) s: rollouts ([\d.]+) s, policy updates ([\d.]+) s, aux phase ([\d.]+) s"
     phase, *parts = map(float, re.search(pattern, out).groups())
-    assert sum(parts) - 0.02 <= phase <= sum(parts) + 0.5  # its parts (each rounded), and the little between them
+    # its parts (each rounded), and what runs between them: little, but the scheduler may pause it on a busy machine
+    assert sum(parts) - 0.02 <= phase <= 1.2 * sum(parts) + 0.5
     steps_per_s = float(re.search(r"whole-phase env steps/s ([\d.]+)", out).group(1))
     assert steps_per_s == pytest.approx(2 * 8 * 32 / phase, rel=0.01)  # N_pi rollouts over the first phase
 
@@ -170,3 +173,26 @@ def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys)
             assert table["peak RSS"][column + seed - 1] == f"{peak:.2f} GiB", (method, seed)
         for at, a, b in zip(("100k", "250k", "500k"), *seeds):
             assert abs(float(table[at][column + 2]) - (a + b) / 2) <= 0.0051, (method, at)
+
+
+@pytest.mark.parametrize(
+    "tool, default",
+    [
+        ("sweep.py", "each run's --seed (default: [1, 2, 3])"),
+        ("evaluate.py", "per evaluation set (default: 100)"),
+        ("report.py", "rliable's own default is 50,000 (default: 2000)"),
+        ("benchmark.py", "a raw-speed pass at the training chunks (default: 2048)"),
+        ("plot_runs.py", "the figure's title (default: charts/episodic_return)"),
+        ("summarise_run.py", "env steps (default: [100000, 250000, 500000])"),
+        ("checksums.py", "which configs (default: ['pA', 'pB'"),
+    ],
+)
+def test_every_tools_help_gives_its_defaults(tool, default, monkeypatch, capsys):
+    """`python tools/TOOL --help`, as its command line runs it (in this process), shows each option's default."""
+    import runpy
+
+    monkeypatch.setenv("COLUMNS", "200")  # one line an option, as argparse wraps to the terminal's width
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "tools" / tool), "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / "tools" / tool), run_name="__main__")
+    assert stopped.value.code == 0 and default in capsys.readouterr().out

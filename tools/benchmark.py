@@ -29,6 +29,9 @@ from collections import defaultdict
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
+
 # Per-state cost does not depend on N_pi or the rollout length (every state gets the same passes), so these keep the
 # default minibatch shapes and shrink the phase: one phase with an aux phase, then one rollout (the last rollout never
 # has an aux phase).
@@ -103,12 +106,12 @@ def timed_first_phase(module, args, device) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("script", choices=sorted(SCALED))
     parser.add_argument("--file", type=pathlib.Path, help="time this copy of the script instead (another commit's)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"), help="as the script's flag")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="chunk size (default: the script's)")
-    parser.add_argument("--arch", default="dual")
+    parser.add_argument("--arch", default="dual", help="as the script's flag")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
     parser.add_argument("--sweep", action="store_true", help="first, raw speed over precisions and chunk sizes")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw speed at the training chunks")

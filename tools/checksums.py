@@ -10,6 +10,7 @@ the KL guard firing, 2-trajectory aux minibatches, training levels, the reward n
 a CPU equal to pA).
 """
 
+import argparse
 import hashlib
 import os
 import pathlib
@@ -20,6 +21,9 @@ import tempfile
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
+
 TINY = "--num-envs 2 --num-steps 32 --n-pi 2 --total-timesteps 192 --num-minibatches 1 --aux-mb-trajectories 4"
 TINY += " --e-aux 2 --micro-batch-size 8 --save-model --exp-name checksum"
 PROCGEN, ATARI = "ppg_procgen.py --env-id dodgeball", "ppg_atari.py --max-episode-frames 100"
@@ -57,5 +61,10 @@ def checksum(name: str) -> str:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or CONFIGS:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("configs", nargs="*", default=list(CONFIGS), help="which configs")
+    opts = parser.parse_args()
+    if unknown := [name for name in opts.configs if name not in CONFIGS]:
+        parser.error(f"unknown configs {unknown}; known: {' '.join(CONFIGS)}")
+    for name in opts.configs:
         print(name, checksum(name), flush=True)

@@ -10,7 +10,9 @@ episodes end first would favour short ones. Returns are raw game scores; on Atar
 Procgen: the run's training levels, then the full level distribution (unseen levels); a run on all
 levels (--num-levels 0) has one set; returns are also given as Procgen-normalised scores (tools/scores.py).
 Env seeds differ from training's (the run's --seed + 2,000,003 + --seed here, wrapped below 2^31 as the
-scripts wrap seeds). Writes <checkpoint stem>.eval.json beside it.
+scripts wrap seeds). Writes the returns beside the file, named by what they depend on, so that no evaluation replaces
+another: <stem>.eval-step<N>-<episodes>ep-seed<seed>.json (a checkpoint; a --save-model file has no step), and the
+videos to <stem>.videos-<the same>/. The same file, step and settings again are refused: remove that file first.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+from helptext import DefaultsHelpFormatter  # noqa: E402
 from scores import normalised_score  # noqa: E402
 
 SCRIPTS = ("ppg_procgen.py", "ppg_atari.py")
@@ -108,13 +111,11 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or a --save-model file")
     parser.add_argument("--episodes", type=int, default=100, help="episodes (Atari: whole games) per evaluation set")
     parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")
-    parser.add_argument(
-        "--capture-video", action="store_true", help="save videos of env 0 to <checkpoint dir>/videos-eval"
-    )
+    parser.add_argument("--capture-video", action="store_true", help="save videos of env 0 beside the report")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
     opts = parser.parse_args()
     if opts.episodes < 1:
@@ -124,6 +125,15 @@ def main() -> None:
 
     path = os.path.join(opts.checkpoint, "checkpoint.pt") if os.path.isdir(opts.checkpoint) else opts.checkpoint
     state = read_file(path)
+    # the report's name: what its returns depend on (a checkpoint is rewritten each phase: its step tells them apart)
+    folder, stem = os.path.split(os.path.splitext(path)[0])
+    settings = f"{opts.episodes}ep-seed{opts.seed}"
+    if "global_step" in state:
+        settings = f"step{state['global_step']}-{settings}"
+    out = os.path.join(folder, f"{stem}.eval-{settings}.json")
+    videos = os.path.join(folder, f"{stem}.videos-{settings}")
+    if os.path.exists(out):
+        sys.exit(f"error: {out} exists: evaluated before at this --episodes and --seed (remove it to evaluate again)")
     module = load_script(state["script"])
     args = run_args(module, state, path)
     # The device and TF32 setting as the script chooses them (TF32 only with --precision tf32)
@@ -135,7 +145,6 @@ def main() -> None:
     agent.to(device).eval()
     torch.manual_seed(opts.seed)
 
-    folder, stem = os.path.split(path)
     n = min(opts.episodes, 64)
     seed = (args.seed + 2_000_003 + opts.seed) % (2**31 - n)  # wrapped below 2^31 - n, as the scripts wrap seeds
     procgen = module.SCRIPT == "ppg_procgen.py"
@@ -168,7 +177,7 @@ def main() -> None:
         sets={},
     )
     for name, (description, levels) in sets.items():
-        video = os.path.join(folder, "videos-eval", name) if opts.capture_video else None
+        video = os.path.join(videos, name) if opts.capture_video else None
         returns = play(agent, env_class(args, n, seed=seed, **levels), opts.episodes, device, video)
         mean = float(np.mean(returns))
         stderr = float(np.std(returns, ddof=1) / math.sqrt(len(returns))) if len(returns) > 1 else None
@@ -181,10 +190,9 @@ def main() -> None:
         print(f"{line} over {len(returns)} episodes", flush=True)
         report["sets"][name] = dict(result, returns=returns)
 
-    out = os.path.join(folder, os.path.splitext(stem)[0] + ".eval.json")
-    with open(out, "w") as f:
+    with open(out, "x") as f:  # "x": never over an earlier report, even one written since the check above
         json.dump(report, f, indent=1)
-    print(f"written to {out}" + (f"; videos in {os.path.join(folder, 'videos-eval')}" if opts.capture_video else ""))
+    print(f"written to {out}" + (f"; videos in {videos}" if opts.capture_video else ""))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ steps all of them reached) bold. A label of one run is drawn bold alone.
 
 import argparse
 import os
+import pathlib
 import sys
 
 import numpy as np
@@ -22,6 +23,9 @@ except ImportError:
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
 
 TAG = "charts/episodic_return"
 
@@ -58,12 +62,12 @@ def mean_of_seeds(runs):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs/{run_name} folders")
     parser.add_argument("--out", required=True, help="the PNG to write")
     parser.add_argument("--labels", nargs="+", help="one legend label per run (default: the run folders' names)")
     parser.add_argument("--window", type=int, default=100, help="episodes averaged")
-    parser.add_argument("--title", default=TAG)
+    parser.add_argument("--title", default=TAG, help="the figure's title")
     args = parser.parse_args()
     labels = args.labels or [os.path.basename(os.path.abspath(d)) for d in args.run_dirs]
     if len(labels) != len(args.run_dirs):

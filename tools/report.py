@@ -11,9 +11,11 @@
 2. Over games, per method: the Procgen-normalised score (tools/scores.py, the runs' --distribution-mode) at the last
    step every run reached, as rliable's IQM and mean with 95% stratified-bootstrap confidence intervals (a runs x
    games matrix, a row a seed), and rliable's probability that one method beats the other (--compare, default
-   ppg ppo).
+   ppg ppo). An interval needs at least 2 seeds of the method in every game (with one, the bootstrap has nothing to
+   resample): with fewer the report gives the point estimate and says so.
 3. One figure, the layout of the paper's main figure: the aggregate normalised score (--metric, default mean)
-   against env steps, a line a method with its 95% interval band.
+   against env steps, a line a method with its 95% interval band (where it has 2 seeds or more); its title gives the
+   game count, the seeds a method, and which lines have bands.
 Writes <folder>/report.md and <folder>/report.png (or --out STEM); prints the report. rliable is imported here only.
 """
 
@@ -28,9 +30,23 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from helptext import DefaultsHelpFormatter  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
+MIN_SEEDS = 2  # a method's seeds in every game for an interval: with one, every bootstrap resample is the same
+
+
+def count(n: int, noun: str) -> str:
+    """'1 game', '2 games'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def seeds_a_method(seeds: dict) -> str:
+    """'3 seeds a method', or each method's count where they differ: 'seeds ppg 3, ppo 1'."""
+    if len(set(seeds.values())) == 1:
+        return count(next(iter(seeds.values())), "seed") + " a method"
+    return "seeds " + ", ".join(f"{m} {n}" for m, n in seeds.items())
 
 
 def read_runs(folder: pathlib.Path) -> list:
@@ -127,16 +143,19 @@ def probability_of_improvement(x: np.ndarray, y: np.ndarray, reps: int, seed: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("folder", type=pathlib.Path, help="a sweep's folder, runs/<name>")
-    parser.add_argument("--released", type=pathlib.Path, default=None, help="the released code's results folder")
+    parser.add_argument(
+        "--released",
+        type=pathlib.Path,
+        default=None,
+        help="the released code's results folder (default: $PPG_RELEASED_CODE/phasic_policy_gradient/results)",
+    )
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument(
-        "--reps", type=int, default=2000, help="bootstrap resamples (default 2,000; rliable's own is 50,000)"
-    )
+    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples; rliable's own default is 50,000")
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
-    parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png")
+    parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png (default: FOLDER/report)")
     opts = parser.parse_args()
     if not opts.folder.is_dir():
         sys.exit(f"error: {opts.folder}: not a folder")
@@ -158,7 +177,7 @@ def main() -> None:
     lines = [
         f"# Report of {opts.folder}",
         "",
-        f"{len(runs)} runs: {len(games)} games x methods {methods}, {mode} mode.",
+        f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, {mode} mode.",
         "",
     ]
 
@@ -192,9 +211,11 @@ def main() -> None:
     step = min(r["last"] for r in runs)
     score_dict = {m: score_matrix(runs, m, games, step) for m in methods}
     score_dict = {m: s for m, s in score_dict.items() if len(s) and not np.isnan(s).any()}
+    seeds = {m: s.shape[0] for m, s in score_dict.items()}  # the seeds every game has, per method
     lines += [
         "",
-        f"Aggregate {mode}-normalised score over the {len(games)} games at {step:,} env steps (95% stratified-bootstrap CIs, {opts.reps:,} resamples):",
+        f"Aggregate {mode}-normalised score over the {count(len(games), 'game')} at {step:,} env steps (95% "
+        f"stratified-bootstrap CIs, {opts.reps:,} resamples, where a method has {MIN_SEEDS} seeds or more):",
         "",
     ]
     lines += ["| method | seeds x games | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
@@ -202,14 +223,21 @@ def main() -> None:
         points, intervals = interval_estimates(score_dict, opts.reps)
         for m in score_dict:
             (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[m]
-            lines.append(
-                f"| {m} | {score_dict[m].shape[0]} x {score_dict[m].shape[1]} | {points[m][0]:.3f} [{iqm_lo:.3f}, {iqm_hi:.3f}] | "
-                f"{points[m][1]:.3f} [{mean_lo:.3f}, {mean_hi:.3f}] |"
-            )
+            iqm, mean = f"{points[m][0]:.3f}", f"{points[m][1]:.3f}"
+            if seeds[m] >= MIN_SEEDS:
+                iqm, mean = f"{iqm} [{iqm_lo:.3f}, {iqm_hi:.3f}]", f"{mean} [{mean_lo:.3f}, {mean_hi:.3f}]"
+            lines.append(f"| {m} | {seeds[m]} x {score_dict[m].shape[1]} | {iqm} | {mean} |")
+    if few := [f"{m} has {count(n, 'seed')}" for m, n in seeds.items() if n < MIN_SEEDS]:
+        lines += ["", f"No interval where a method has fewer than {MIN_SEEDS} seeds in every game ({', '.join(few)})."]
     x, y = opts.compare
-    if x in score_dict and y in score_dict and score_dict[x].shape == score_dict[y].shape:
-        p, (lo, hi) = probability_of_improvement(score_dict[x], score_dict[y], opts.reps)
-        lines += ["", f"P({x} > {y}) = {p:.3f} [95% CI {lo:.3f}, {hi:.3f}] (rliable's probability of improvement)"]
+    if x in score_dict and y in score_dict:
+        if min(seeds[x], seeds[y]) < MIN_SEEDS:
+            lines += ["", f"P({x} > {y}) needs more seeds: at least {MIN_SEEDS} of each method in every game."]
+        elif score_dict[x].shape != score_dict[y].shape:
+            lines += ["", f"P({x} > {y}) needs the same seeds x games of both ({seeds[x]} and {seeds[y]} seeds)."]
+        else:
+            p, (lo, hi) = probability_of_improvement(score_dict[x], score_dict[y], opts.reps)
+            lines += ["", f"P({x} > {y}) = {p:.3f} [95% CI {lo:.3f}, {hi:.3f}] (rliable's probability of improvement)"]
 
     # 3. The figure
     import matplotlib
@@ -220,6 +248,7 @@ def main() -> None:
     grid = np.unique(np.linspace(0, step, opts.points + 1)[1:].astype(int))
     which = 0 if opts.metric == "iqm" else 1
     fig, ax = plt.subplots(figsize=(6, 4))
+    banded = []  # the methods drawn with an interval band
     for m in sorted(score_dict):
         curve = {int(s): score_matrix(runs, m, games, s) for s in grid}
         curve = {s: v for s, v in curve.items() if not np.isnan(v).any()}  # steps where every run had an episode
@@ -230,10 +259,17 @@ def main() -> None:
         ys = np.array([points[str(s)][which] for s in xs])
         lo, hi = (np.array([intervals[str(s)][k][which] for s in xs]) for k in (0, 1))
         ax.plot(xs, ys, label=m)
-        ax.fill_between(xs, lo, hi, alpha=0.25)
+        if seeds[m] >= MIN_SEEDS:
+            ax.fill_between(xs, lo, hi, alpha=0.25)
+            banded.append(m)
     ax.set_xlabel("env steps")
     ax.set_ylabel(f"{'IQM' if which == 0 else 'mean'} normalised score ({mode})")
-    ax.set_title(f"{opts.folder.name}: {len(games)} games, 95% stratified-bootstrap CIs", fontsize=10)
+    title = f"{opts.folder.name}: {count(len(games), 'game')}, {seeds_a_method(seeds)}"
+    if banded and len(banded) == len(ax.lines):
+        title += "\nbands: 95% stratified-bootstrap CIs"
+    elif banded:
+        title += f"\nbands ({', '.join(banded)} only): 95% stratified-bootstrap CIs"
+    ax.set_title(title, fontsize=10)
     if ax.lines:
         ax.legend()
     ax.grid(alpha=0.3)

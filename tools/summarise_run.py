@@ -4,13 +4,18 @@ python tools/summarise_run.py runs/BreakoutNoFrameskip-v4__ppg__1__1796042480 --
 """
 
 import argparse
+import pathlib
+import sys
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("run_dir", help="a runs/{run_name} folder")
     parser.add_argument("--at", type=int, nargs="+", default=[100_000, 250_000, 500_000], help="env steps")
     parser.add_argument("--window", type=int, default=100, help="episodes averaged")

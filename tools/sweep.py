@@ -8,10 +8,12 @@
 
 A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
 paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own
-flags win over them). Each run has a fixed folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its
-working directory (the script writes its runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
-is done and starts nothing; a run with a checkpoint resumes from it (`--resume`); a folder without one is emptied and
-the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is done.
+flags win over them; the grid's own, --env-id, --seed and --exp-name, are refused there). Each run has a fixed
+folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
+runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
+is done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags: the budget may
+rise, a changed training flag stops the sweep in one line); a folder without one is emptied and the run starts
+afresh. So the same command, run again, finishes what was stopped and leaves what is done.
 
 --cluster slurm submits every job and returns; a job that reaches its time limit, or that the cluster preempts with
 a signal, is requeued by submitit and resumes from its last phase checkpoint. --cluster local runs the jobs here and
@@ -38,7 +40,11 @@ import time
 import submitit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
+
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
+GRID_FLAGS = ("--env-id", "--seed", "--exp-name")  # the grid's own: a run's folder is named by them
 POLL_S = 0.5  # how often the local queue looks at its jobs
 
 
@@ -50,14 +56,27 @@ def load_script(path: pathlib.Path):
     return module
 
 
+def gives(flags: list, name: str) -> bool:
+    """Whether a command line gives the flag `name`, as `--name value` or as `--name=value`."""
+    return any(flag == name or flag.startswith(name + "=") for flag in flags)
+
+
+def flag_names(flags: list) -> set:
+    """The names of the flags a command line gives, as the scripts' __main__ block collects them for --resume."""
+    return {flag[2:].split("=")[0].replace("-", "_").removeprefix("no_") for flag in flags if flag.startswith("--")}
+
+
 def checked_args(module, flags: list, what: str):
-    """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan)."""
+    """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan; on
+    --resume, resume_args: a resumed run keeps the training flags of its checkpoint)."""
     import tyro
 
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
             args = tyro.cli(module.Args, args=flags)
+            if args.resume:
+                args = module.resume_args(args, flag_names(flags))[0]
         module.make_plan(args)
     except SystemExit as e:
         lines = [line.strip("│╭╮╰╯─ ") for line in stderr.getvalue().splitlines()]
@@ -66,10 +85,9 @@ def checked_args(module, flags: list, what: str):
     return args
 
 
-def planned_steps(args) -> int:
-    """The env steps the run will take: --total-timesteps rounded up to whole rollouts, as the scripts plan it."""
-    batch = args.num_envs * args.num_steps
-    return -(-args.total_timesteps // batch) * batch
+def planned_steps(module, args) -> int:
+    """The env steps the run will take: --total-timesteps rounded up to whole rollouts, by the script's own plan."""
+    return module.make_plan(args)["num_iterations"] * args.num_envs * args.num_steps
 
 
 def last_checkpoint(folder: pathlib.Path):
@@ -89,8 +107,8 @@ def job_command(script: str, folder: pathlib.Path, flags: list, total: int):
         return [sys.executable, script, *flags]
     if state["global_step"] >= total:
         return None
-    # the run's own flags come from its checkpoint; the sweep's budget may raise the run's
-    return [sys.executable, script, "--resume", str(run), "--total-timesteps", str(total)]
+    # the run's flags, as at its start: the script refuses a changed training flag; the budget may raise the run's
+    return [sys.executable, script, "--resume", str(run), *flags]
 
 
 class TrainRun(submitit.helpers.Checkpointable):
@@ -106,10 +124,10 @@ class TrainRun(submitit.helpers.Checkpointable):
         command = job_command(script, folder, flags, total)
         if command is None:
             return f"{folder.name}: done before this start"
-        if command[2] != "--resume" and (folder / "runs").exists():
+        if "--resume" not in command and (folder / "runs").exists():
             shutil.rmtree(folder / "runs")  # a start without a checkpoint: nothing of it is kept
         folder.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else dict(os.environ)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         with open(folder / "train.log", "a") as log:  # each start: its command, its output, when it ran
             log.write(f"\n# start {time.time():.3f}\n$ {shlex.join(command)}\n")
             log.flush()
@@ -145,7 +163,14 @@ def plan_jobs(opts, common: list):
         opts.games = list(module.PROCGEN_GAMES)  # the paper's 16
     if hasattr(module, "PROCGEN_GAMES") and (unknown := [g for g in opts.games if g not in module.PROCGEN_GAMES]):
         sys.exit(f"error: --games: {unknown} are not Procgen games ({', '.join(module.PROCGEN_GAMES)})")
-    if "--total-timesteps" not in common:
+    for name in GRID_FLAGS:
+        if gives(common, name):
+            sys.exit(f"error: {name} after --: the grid gives each run its own (use --games, --seeds or --methods)")
+    for method in opts.methods:
+        for name in GRID_FLAGS:
+            if gives(shlex.split(methods[method]), name):
+                sys.exit(f"error: --method {method}: {name} is the grid's (use --games, --seeds or --methods)")
+    if not gives(common, "--total-timesteps"):  # the budget in every run's command, so that a resume keeps it
         common = [*common, "--total-timesteps", str(module.Args().total_timesteps)]
     jobs = []
     for game in opts.games:
@@ -155,8 +180,13 @@ def plan_jobs(opts, common: list):
                 flags = ["--env-id", game, "--seed", str(seed), "--exp-name", method, *common]
                 flags += shlex.split(methods[method])  # last: a method's own flags win over the common ones
                 args = checked_args(module, flags, what)
-                folder = pathlib.Path(opts.root) / opts.name / f"{game.replace('/', '-')}__{method}__{seed}"
-                jobs.append((folder.resolve(), flags, planned_steps(args)))
+                folder = (pathlib.Path(opts.root) / opts.name / f"{game.replace('/', '-')}__{method}__{seed}").resolve()
+                total = planned_steps(module, args)
+                command = job_command(str(script), folder, flags, total)
+                if command is not None and "--resume" in command:  # the script keeps a resumed run's flags: ask it
+                    resumed = f"{folder.name} has a checkpoint (change no training flag, or use a new --name)"
+                    checked_args(module, command[2:], resumed)
+                jobs.append((folder, flags, total))
     return str(script), jobs
 
 
@@ -171,7 +201,8 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
     code: 0 when every job ended well, 1 when one failed, 130 on Ctrl-C."""
     gpus = gpu_count(opts)
     slots = list(range(gpus)) if gpus else list(range(opts.jobs))
-    threads = opts.threads or (0 if gpus else max(1, (os.cpu_count() or 1) // len(slots)))
+    # each job its share of the cores, with GPUs too: torch's CPU work would otherwise take every core in every job
+    threads = opts.threads or max(1, (os.cpu_count() or 1) // len(slots))
     pending, running, failed = list(jobs), {}, 0
     try:
         while pending or running:
@@ -218,20 +249,27 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     common = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--name", required=True, help="the sweep's name: its runs go to <root>/<name>/")
-    parser.add_argument("--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"))
+    parser.add_argument(
+        "--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"), help="the training script"
+    )
     parser.add_argument(
         "--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games"
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="each run's --seed")
     parser.add_argument("--methods", nargs="+", default=["ppg", "ppo"], help="built in: ppg, ppo; more by --method")
     parser.add_argument("--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method")
     parser.add_argument("--root", default="runs", help="where the sweep's folder goes")
-    parser.add_argument("--cluster", choices=("local", "slurm"), default="local")
+    parser.add_argument("--cluster", choices=("local", "slurm"), default="local", help="where the jobs run")
     parser.add_argument("--jobs", type=int, default=1, help="local, without GPUs: jobs at once")
     parser.add_argument("--gpus", type=int, default=None, help="local: GPUs to use (default: all visible)")
-    parser.add_argument("--threads", type=int, default=0, help="OMP threads a job (local default: cores / jobs)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="OMP threads a job; 0: local, the cores / jobs at once; slurm, --cpus-per-job",
+    )
     parser.add_argument("--partition", default=None, help="slurm: the partition")
     parser.add_argument("--gpus-per-job", type=int, default=1, help="slurm: GPUs a job")
     parser.add_argument("--cpus-per-job", type=int, default=8, help="slurm: CPUs a job")
@@ -240,9 +278,10 @@ def main(argv=None) -> None:
     parser.add_argument("--max-requeues", type=int, default=10, help="requeues after the time limit, at most")
     parser.add_argument("--dry-run", action="store_true", help="print the jobs and what each would do, submit none")
     opts = parser.parse_args(argv)
-    for name in ("jobs", "gpus_per_job", "cpus_per_job", "max_requeues"):
-        if getattr(opts, name) < (0 if name == "max_requeues" else 1):
-            sys.exit(f"error: --{name.replace('_', '-')} must be at least {0 if name == 'max_requeues' else 1}")
+    least = dict(jobs=1, gpus_per_job=1, cpus_per_job=1, max_requeues=0, threads=0, gpus=0)
+    for name, value in least.items():
+        if getattr(opts, name) is not None and getattr(opts, name) < value:
+            sys.exit(f"error: --{name.replace('_', '-')} must be at least {value}")
     if not opts.time_min > 0 or opts.signal_delay_s < 0:
         sys.exit("error: --time-min must be > 0 and --signal-delay-s >= 0")
 
@@ -270,10 +309,9 @@ def main(argv=None) -> None:
     )
     executor.update_parameters(gpus_per_node=opts.gpus_per_job, cpus_per_task=opts.cpus_per_job)
     executor.update_parameters(signal_delay_s=opts.signal_delay_s)
+    threads = opts.threads or opts.cpus_per_job
     with executor.batch():  # one job array
-        submitted = [
-            executor.submit(TrainRun(), script, str(f), flags, total, opts.cpus_per_job) for f, flags, total in todo
-        ]
+        submitted = [executor.submit(TrainRun(), script, str(f), flags, total, threads) for f, flags, total in todo]
     print(f"submitted {len(submitted)} jobs: {', '.join(job.job_id for job in submitted)}")
 
 
