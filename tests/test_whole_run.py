@@ -19,8 +19,8 @@ What "the same run" means in float32. The two codes' forward passes agree to flo
 (tests/test_released_code.py), but their updates sum in different orders, and Adam turns rounding noise into whole
 steps where a gradient is near 0: the first aux minibatch of a phase has pi = pi_old exactly, so its clone gradient is
 pure noise, which Adam scales to steps of about lr. The policies drift apart by rounding, and a uniform that falls
-between the two codes' CDFs draws different actions. The rounding itself differs between processes here (memory
-alignment): the same dual run in two processes met 2 and 4 near ties. The checks:
+between the two codes' CDFs draws different actions. The rounding itself differs between processes here: the same
+dual run in two processes met 2 and 4 near ties. The checks:
 
   - every draw: where our action differs from the released one, the uniform must lie within DELTA of our interval of
     the released action (a near tie: our run then takes the released action and goes on); anything else fails at
@@ -33,14 +33,20 @@ alignment): the same dual run in two processes met 2 and 4 near ties. The checks
     TOL_RMS.
 
 Measured once, on the 2-core AMD EPYC (AVX-512, torch 2.13 CPU, loaded by a training run), for every configuration at
-seeds 1, 2 and 3 at 1 thread, and for dual and PPO at 2 threads too: every run passed. With aux phases, at most
-9 near ties a run, the farthest 3.5e-3 from our interval; the two CDFs at most 5.4e-3 apart at a draw; final
-parameters at most 4.5e-3 apart, rms at most 2.1e-4 (minibatches2). Without (PPO): no near tie, the CDFs at most
-3.4e-5 apart, parameters at most 1.0e-3 apart, rms at most 9.2e-6. DELTA and the tolerances leave a margin of 2 to 15
-over these. The mistakes they catch (each in a scratch copy of the script; see tests' history): a fresh policy-phase
-Adam every phase; pi_old taken at the start of the policy phase instead of the aux phase; the reward normaliser's
-statistics reset every phase. Run with -rP to see each run's near ties, its closest agreeing draw to a boundary, the
-largest difference of the two CDFs and the final parameter differences.
+seeds 1, 2 and 3 with 1 thread, and for dual and PPO at seed 1 with 2 threads as well: every run passed. With aux
+phases: at most 9 near ties a run, the farthest 3.5e-3 from our interval; the two CDFs at most 5.4e-3 apart at a draw;
+final parameters at most 4.5e-3 apart, root mean square at most 2.1e-4. Without (PPO): no near tie, the CDFs at most
+3.4e-5 apart, parameters at most 1.0e-3 apart, root mean square at most 9.2e-6. DELTA and the tolerances leave a
+margin of 2.2 to 15 over these. Each of these mistakes, put in a scratch copy of the script, fails the CI cases:
+  - a fresh policy-phase Adam every phase: both cases, at a draw (dual at env step 499, 0.026 from our interval;
+    PPO at env step 384, 4.5e-3);
+  - pi_old taken at the start of the policy phase instead of the aux phase: dual, at a draw (env step 396, 0.020;
+    with DELTA lifted, its near ties reach 0.05); PPO has no aux phase;
+  - the reward normaliser's statistics reset every phase: PPO, at a draw (env step 546, 5.2e-4; with DELTA lifted,
+    a later one lies 2.3e-3 away and the final parameters' root mean square, 1.0e-4, is over its tolerance too); the
+    aux phases' noise hides it in dual.
+Run with -rP to see each run's near ties, its closest agreeing draw to a boundary, the largest difference of the two
+CDFs and the final parameter differences.
 
 The CI cases (dual and PPO) cost about 25 s of CPU time at 1 thread (dual 20 s, PPO 5 s), measured on the loaded
 machine: an estimate of their wall time on an idle one. The others are marked slow (python -m pytest -q tests -m slow);
@@ -99,7 +105,8 @@ _randperm = torch.randperm  # the originals: the patched ones draw from them
 
 @pytest.fixture(scope="module", autouse=True)
 def threads():
-    """THREADS intra-op threads for this module; the suite's setting is put back afterwards."""
+    """THREADS intra-op threads for this module; the suite's setting is put back afterwards. One: on a busy 2-core
+    machine a second thread mostly waits (the dual case took 138 s of CPU time at 2 threads, 20 s at 1)."""
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     yield
@@ -112,7 +119,7 @@ def rel():
 
 
 def kind(config: str) -> str:
-    """ "aux" for a run with aux phases, "ppo" for one without (E_aux 0)."""
+    """The tolerances' key of a configuration: "aux" for a run with aux phases, "ppo" for one without (E_aux 0)."""
     if dict(BASE, **CONFIGS[config])["e_aux"] == 0:
         return "ppo"
     return "aux"
@@ -330,8 +337,8 @@ def whole_runs(rel, config: str, seed: int, tmp_path, monkeypatch) -> dict:
 
 
 def parameter_differences(agent, model) -> dict:
-    """{network: (largest |ours - released| of its parameters, its parameter name, root mean square difference)} for
-    the policy network (trunk, policy and aux value heads) and the value network (dual: its own trunk; else its head)."""
+    """{network: (largest |ours - released| of its parameters, that parameter's name, root mean square difference)}
+    of the policy network (trunk, policy and aux value heads) and the value network (dual: its trunk; else its head)"""
     found = {}
     for ours, theirs in rs.parameter_map(agent).items():
         p = agent.get_parameter(ours)
@@ -349,9 +356,10 @@ def test_whole_run(rel, config, tmp_path, monkeypatch):
     """Our main() against the released ppg.learn, draw for draw (see the module's docstring)."""
     r, envs = whole_runs(rel, config, SEED, tmp_path, monkeypatch), dict(BASE, **CONFIGS[config])["num_envs"]
     c, episodes, tol_rms = r["coupler"], r["ours_episodes"], TOL_RMS[kind(config)]
-    print(f"{config}, seed {SEED}, {torch.get_num_threads()} thread(s): {len(c.draws) * envs} action draws")
-    print(f"  ({len(c.draws)} steps of {envs} envs), {len(c.perms)} minibatch orders, {len(episodes)} episodes ended,")
-    print(f"  {r['nonzero']} nonzero rewards; {len(c.near_ties)} near ties (DELTA {c.delta:g})")
+    draws = f"{len(c.draws) * envs} action draws ({len(c.draws)} steps of {envs} envs)"
+    print(f"{config}, seed {SEED}, {torch.get_num_threads()} thread(s): {draws}, {len(c.perms)} minibatch orders")
+    ties = f"{len(c.near_ties)} near ties (DELTA {c.delta:g})"
+    print(f"  {len(episodes)} episodes ended, {r['nonzero']} nonzero rewards; {ties}")
     for where, distance in c.near_ties:
         print(f"    at {where}: the uniform {distance:.3g} from our interval of the released action")
     print(f"  the closest agreeing draw to one of our boundaries: {c.margin:.3g} away")
