@@ -92,12 +92,12 @@ _loaded = {}
 
 def load_released(root: pathlib.Path) -> types.SimpleNamespace:
     """The released modules, imported once: ppg, ppo, torch_util (tu), reward_normalizer, train, logger, impala_cnn,
-    and gym3's types."""
+    vec_monitor2, and gym3's types."""
     if root not in _loaded:
         with _importable(root):
             import gym3.types
 
-            from phasic_policy_gradient import impala_cnn, logger, ppg, ppo, reward_normalizer, train
+            from phasic_policy_gradient import impala_cnn, logger, ppg, ppo, reward_normalizer, train, vec_monitor2
             from phasic_policy_gradient import torch_util as tu
         tu.DEFAULT_DEVICE = torch.device("cpu")  # the tests' device, whatever GPU the machine has
         tu.register_distributions_for_tree_util()  # as its train.py does: aux_train slices Categorical pi_old
@@ -109,6 +109,7 @@ def load_released(root: pathlib.Path) -> types.SimpleNamespace:
             train=train,
             logger=logger,
             impala_cnn=impala_cnn,
+            vec_monitor2=vec_monitor2,
             ImpalaEncoder=impala_cnn.ImpalaEncoder,
             gym3_types=gym3.types,
         )
