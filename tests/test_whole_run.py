@@ -33,18 +33,24 @@ dual run in two processes met 2 and 4 near ties. The checks:
     TOL_RMS.
 
 Measured once, on the 2-core AMD EPYC (AVX-512, torch 2.13 CPU, loaded by a training run), for every configuration at
-seeds 1, 2 and 3 with 1 thread, and for dual and PPO at seed 1 with 2 threads as well: every run passed. With aux
-phases: at most 9 near ties a run, the farthest 3.5e-3 from our interval; the two CDFs at most 5.4e-3 apart at a draw;
-final parameters at most 4.5e-3 apart, root mean square at most 2.1e-4. Without (PPO): no near tie, the CDFs at most
-3.4e-5 apart, parameters at most 1.0e-3 apart, root mean square at most 9.2e-6. DELTA and the tolerances leave a
-margin of 2.2 to 15 over these. Each of these mistakes, put in a scratch copy of the script, fails the CI cases:
-  - a fresh policy-phase Adam every phase: both cases, at a draw (dual at env step 499, 0.026 from our interval;
-    PPO at env step 384, 4.5e-3);
-  - pi_old taken at the start of the policy phase instead of the aux phase: dual, at a draw (env step 396, 0.020;
-    with DELTA lifted, its near ties reach 0.05); PPO has no aux phase;
-  - the reward normaliser's statistics reset every phase: PPO, at a draw (env step 546, 5.2e-4; with DELTA lifted,
-    a later one lies 2.3e-3 away and the final parameters' root mean square, 1.0e-4, is over its tolerance too); the
-    aux phases' noise hides it in dual.
+seeds 1, 2 and 3 with 1 thread (dual and PPO at seeds 4, 5 and 6 too), and for dual and PPO at seed 1 with 2 threads:
+every run passed. Dual: at most 4 near ties a run, the farthest 2.0e-3 from our interval; the two CDFs at most 4.3e-3
+apart at a draw; final parameters at most 3.3e-3 apart, root mean square at most 1.4e-4. The slow configurations with
+aux phases: at most 24 near ties, the farthest 1.0e-2; CDFs 1.6e-2 apart; parameters 6.4e-3 apart, root mean square
+3.3e-4 (all minibatches2, in one of its four runs: its 2 Adam steps a rollout give the aux phases' noise more to work
+on; with E_aux 0 it stays within 1.2e-5 of the released CDFs). PPO: no near tie, the CDFs at most 4.8e-5 apart,
+parameters at most 1.5e-3 apart, root mean square at most 9.2e-6. DELTA and the tolerances leave a margin of about 3
+over the worst of these, and 3 to 10 over PPO's.
+
+Each of these mistakes, put in a scratch copy of the script, fails the CI cases (the first draw past DELTA lies just
+past it: the two runs drift apart step by step; with DELTA lifted, the draws go on to 0.05 apart):
+  - a fresh policy-phase Adam every phase: both cases, at a draw (dual at env step 543, 0.030 from our interval; PPO
+    at env step 384, 4.5e-3);
+  - pi_old taken at the start of the policy phase instead of the aux phase: dual, at a draw (env step 422, 0.031);
+    PPO has no aux phase;
+  - the reward normaliser's statistics reset every phase: PPO, at a draw (env step 546, 5.2e-4; with DELTA lifted, a
+    later one lies 2.3e-3 away, and the final parameters' root mean square, 1.0e-4, is over its tolerance too); dual
+    passes: the aux phases' noise hides it.
 Run with -rP to see each run's near ties, its closest agreeing draw to a boundary, the largest difference of the two
 CDFs and the final parameter differences.
 
@@ -96,9 +102,9 @@ CONFIGS = {
 }
 CI = ("dual", "ppo")
 # Tolerances, measured on correct code (see the docstring), by whether the run has aux phases ("aux") or not ("ppo")
-DELTA = dict(aux=2e-2, ppo=5e-4)  # the farthest a near tie's uniform may lie from our interval of the released action
-TOL_MAX = 1e-2  # the largest |ours - released| of any final parameter
-TOL_RMS = dict(aux=5e-4, ppo=5e-5)  # the root mean square of |ours - released| over each network's final parameters
+DELTA = dict(aux=3e-2, ppo=5e-4)  # the farthest a near tie's uniform may lie from our interval of the released action
+TOL_MAX = dict(aux=2e-2, ppo=5e-3)  # the largest |ours - released| of any final parameter
+TOL_RMS = dict(aux=1e-3, ppo=5e-5)  # the root mean square of |ours - released| over each network's final parameters
 
 _randperm = torch.randperm  # the originals: the patched ones draw from them
 
@@ -355,7 +361,7 @@ def parameter_differences(agent, model) -> dict:
 def test_whole_run(rel, config, tmp_path, monkeypatch):
     """Our main() against the released ppg.learn, draw for draw (see the module's docstring)."""
     r, envs = whole_runs(rel, config, SEED, tmp_path, monkeypatch), dict(BASE, **CONFIGS[config])["num_envs"]
-    c, episodes, tol_rms = r["coupler"], r["ours_episodes"], TOL_RMS[kind(config)]
+    c, episodes, tol_max, tol_rms = r["coupler"], r["ours_episodes"], TOL_MAX[kind(config)], TOL_RMS[kind(config)]
     draws = f"{len(c.draws) * envs} action draws ({len(c.draws)} steps of {envs} envs)"
     print(f"{config}, seed {SEED}, {torch.get_num_threads()} thread(s): {draws}, {len(c.perms)} minibatch orders")
     ties = f"{len(c.near_ties)} near ties (DELTA {c.delta:g})"
@@ -365,12 +371,12 @@ def test_whole_run(rel, config, tmp_path, monkeypatch):
     print(f"  the closest agreeing draw to one of our boundaries: {c.margin:.3g} away")
     print(f"  the largest difference of the two runs' CDFs at a draw: {c.divergence:.3g}")
     for network, (worst, where, rms) in r["networks"].items():
-        print(f"  {network} network's final parameters: apart by {worst:.3g} at most ({where}; tolerance {TOL_MAX:g}),")
+        print(f"  {network} network's final parameters: apart by {worst:.3g} at most ({where}; tolerance {tol_max:g}),")
         print(f"    root mean square {rms:.3g} (tolerance {tol_rms:g})")
     assert episodes == r["released_episodes"], f"episodes (return, length): ours {episodes}, {r['released_episodes']}"
     assert len(episodes) >= 3 and r["nonzero"] >= 5, "too few episodes or nonzero rewards to exercise the run"
     for network, (worst, where, rms) in r["networks"].items():
-        assert worst <= TOL_MAX, f"{network} network: final parameters apart by {worst:.3g} ({where}) > {TOL_MAX:g}"
+        assert worst <= tol_max, f"{network} network: final parameters apart by {worst:.3g} ({where}) > {tol_max:g}"
         assert rms <= tol_rms, (
             f"{network} network: final parameters' root mean square difference {rms:.3g} > {tol_rms:g}"
         )
