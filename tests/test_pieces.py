@@ -334,7 +334,8 @@ def test_kl_guard_stops_aux_phase(script, capsys):
         small_args(script, e_aux=3, aux_kl_stop=1e-9),
     )
     assert len(guarded) == 1 and guarded[0]["clone_kl"] > 1e-9
-    assert "auxiliary phase stopped after epoch 1/3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "aux epoch 1/3" in out and "> --aux-kl-stop: the aux phase stops" in out and "aux epoch 2/3" not in out
     agent = make_agent(script, "dual")
     unguarded = script.auxiliary_phase(
         agent,
@@ -351,7 +352,7 @@ def test_kl_guard_stops_aux_phase(script, capsys):
         aux_buffers(script, obs_buf, targets),
         small_args(script, e_aux=1, aux_kl_stop=1e-9),
     )
-    assert len(last) == 1 and "stopped" not in capsys.readouterr().out
+    assert len(last) == 1 and "KL guard" not in capsys.readouterr().out
 
 
 def test_plan_counts_and_rounding(script):
