@@ -44,6 +44,8 @@ def count(n: int, noun: str) -> str:
 
 def seeds_a_method(seeds: dict) -> str:
     """'3 seeds a method', or each method's count where they differ: 'seeds ppg 3, ppo 1'."""
+    if not seeds:
+        return "no method with a score in every game yet"
     if len(set(seeds.values())) == 1:
         return count(next(iter(seeds.values())), "seed") + " a method"
     return "seeds " + ", ".join(f"{m} {n}" for m, n in seeds.items())
