@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPTS, TINY_FLAGS, copy_run, load_script, main_in_process, refusal, run_script
+from conftest import PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, copy_run, load_script, main_in_process, refusal, run_script
 
 # 4 rollouts of 64 steps in 2 phases of N_pi = 2: long enough to be stopped between its two checkpoints.
 LONG = ["--total-timesteps", "256"]
@@ -32,7 +32,7 @@ def start(name, cwd, *flags):
     )
 
 
-def wait_for_checkpoint(proc, cwd, timeout=120) -> pathlib.Path:
+def wait_for_checkpoint(proc, cwd, timeout=PATIENCE_S) -> pathlib.Path:
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = list(pathlib.Path(cwd).glob("runs/*/checkpoint.pt"))
@@ -97,7 +97,7 @@ def test_a_kill_just_after_a_phase_boundary_keeps_that_phases_log(tmp_path):
     """SIGKILL at the start of phase 2: what phase 1 logged, its aux/ scalars too (logged after its checkpoint, and
     never redone by a resume), is on disk."""
     argv = [sys.executable, "-c", KILLED_AT_ROLLOUT_3, str(ROOT / "ppg_atari.py"), *TINY_FLAGS["ppg_atari.py"], *LONG]
-    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     (run,) = (tmp_path / "runs").iterdir()
     assert checkpoint(run)["phase"] == 1
@@ -126,7 +126,7 @@ def test_sigterm_and_ctrl_c_print_the_resume_command_and_exit_128_plus_the_signa
     saved = wait_for_checkpoint(proc, tmp_path)
     time.sleep(0.5)  # past the rename: the checkpoint is whole
     proc.send_signal(signum)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 128 + signum, err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert f"stopped by {signal.Signals(signum).name}; resume with: python {name} --resume " in out
@@ -184,7 +184,7 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, 
     elsewhere.mkdir()
     for flags, needle in cases:  # in this process, as the command line would stop
         assert needle in refusal(procgen, flags, elsewhere, monkeypatch), flags
-    proc = run_script("ppg_atari.py", "--resume", str(run), cwd=elsewhere, timeout=60)  # and one as a user meets it
+    proc = run_script("ppg_atari.py", "--resume", str(run), cwd=elsewhere)  # and one as a user meets it
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert (

@@ -153,7 +153,7 @@ def test_bad_input_gives_one_line(name, tmp_path, monkeypatch):
         assert needle in refusal(script, flags, tmp_path, monkeypatch), flags
     stderrs = []
     for flags, needle in [BAD_FLAGS[name][0], PARSE_ERRORS[name]]:
-        proc = run_script(name, *flags, cwd=tmp_path, timeout=60)
+        proc = run_script(name, *flags, cwd=tmp_path)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, (flags, proc.stderr[-2000:])
         assert needle in proc.stderr and not (tmp_path / "runs").exists()  # stopped before any env, buffer or log
         stderrs.append(proc.stderr)

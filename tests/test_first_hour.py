@@ -11,7 +11,7 @@ import sys
 import pytest
 import tyro
 
-from conftest import ALIASES, ROOT, SCRIPTS, copy_run, load_script, run_script
+from conftest import ALIASES, PATIENCE_S, ROOT, SCRIPTS, copy_run, load_script, run_script
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -29,7 +29,7 @@ def test_cleanrl_names_parse_as_ours(name):
 def test_an_alias_counts_on_resume(tiny_run, tmp_path):
     """--e-policy is --e-pi: on --resume, a value other than the run's is refused in one line, not silently ignored."""
     run = copy_run(tiny_run("ppg_procgen.py"), tmp_path)
-    proc = run_script("ppg_procgen.py", "--resume", str(run), "--e-policy", "2", cwd=tmp_path, timeout=120)
+    proc = run_script("ppg_procgen.py", "--resume", str(run), "--e-policy", "2", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "error: --e-pi 2: a resumed run keeps its flags (1)" in proc.stderr
 
@@ -47,7 +47,7 @@ def test_the_readme_first_run_trains_resumes_and_evaluates_as_written(tmp_path):
     outputs = []
     for command in commands:
         done = subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PATIENCE_S
         )
         assert done.returncode == 0, (command, done.stderr[-3000:])
         outputs.append(done.stdout)

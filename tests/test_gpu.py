@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import GPU_ENV, ROOT, SCRIPTS, TINY_FLAGS, read_scalars
+from conftest import GPU_ENV, PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, read_scalars
 
 
 def gpu_visible() -> bool:
@@ -17,7 +17,9 @@ def gpu_visible() -> bool:
     if not os.path.exists("/proc/driver/nvidia/version"):
         return False
     code = "import torch; print(torch.cuda.is_available())"
-    asked = subprocess.run([sys.executable, "-c", code], env=GPU_ENV, capture_output=True, text=True, timeout=120)
+    asked = subprocess.run(
+        [sys.executable, "-c", code], env=GPU_ENV, capture_output=True, text=True, timeout=PATIENCE_S
+    )
     return asked.stdout.strip() == "True"
 
 
@@ -32,12 +34,12 @@ def test_tiny_run_on_a_gpu(name, precision, tmp_path):
     """A tiny run on CUDA at each precision, then its --resume with a raised budget (the checkpoint's tensors were
     saved from the GPU and load back onto it)."""
     argv = [sys.executable, str(ROOT / name), *TINY_FLAGS[name], "--precision", precision]
-    done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert " on cuda:" in done.stdout and f"precision {precision}" in done.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
     argv = [sys.executable, str(ROOT / name), "--resume", str(run_dir), "--total-timesteps", "256"]
-    done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
     scalars = read_scalars(tmp_path)
     for tag in ("losses/policy_loss", "losses/value_loss", "aux/joint_loss", "charts/SPS"):

@@ -137,9 +137,11 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
 def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):
     """A run with a checkpoint resumes with the flags it started with (the budget raised): the script keeps a resumed
     run's training flags, so one changed since its start stops the sweep in one line, before anything is submitted,
-    instead of being silently ignored. (--dry-run on the shared grid's finished runs: nothing is written.)"""
+    instead of being silently ignored, given by its name or by its CleanRL alias (--e-policy is --e-pi). (--dry-run on
+    the shared grid's finished runs: nothing is written.)"""
     argv = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--total-timesteps", "256"]
-    (same, printed), (changed, _) = mains_in_one_process(sweep_grid.root, [argv, [*argv, "--ent-coef", "0.02"]])
+    argvs = [argv, [*argv, "--ent-coef", "0.02"], [*argv, "--e-policy", "2"]]
+    (same, printed), (changed, _), (aliased, _) = mains_in_one_process(sweep_grid.root, argvs)
     assert same is None and "4 runs, 0 done, 4 to run" in printed, printed
     resumes = [line for line in printed.splitlines() if line.startswith("resume ")]
     assert len(resumes) == 4 and all(
@@ -150,6 +152,7 @@ def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_
         "error: dodgeball__ppg__1 has a checkpoint (change no training flag, or use a new --name)"
     )
     assert "--ent-coef 0.02: a resumed run keeps its flags (0.01)" in changed and "\n" not in changed, changed
+    assert aliased and "--e-pi 2: a resumed run keeps its flags (1)" in aliased and "\n" not in aliased, aliased
 
 
 def job_process(root: pathlib.Path) -> int:

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPTS, TINY_FLAGS, load_script, main_in_process, refusal
+from conftest import PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, load_script, main_in_process, refusal
 
 SCRIPT = "ppg_atari.py"  # the other script's three flags and their code are the same lines (test_tracking_flags)
 
@@ -41,7 +41,7 @@ def wandb_records(path: str) -> list:
 def tracked_run(cwd, *flags):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(cwd), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     argv = [sys.executable, str(ROOT / SCRIPT), *flags, "--track", "--wandb-project-name", "ppg-test"]
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

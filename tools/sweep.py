@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 
 import submitit
 
@@ -61,9 +62,17 @@ def gives(flags: list, name: str) -> bool:
     return any(flag == name or flag.startswith(name + "=") for flag in flags)
 
 
-def flag_names(flags: list) -> set:
-    """The names of the flags a command line gives, as the scripts' __main__ block collects them for --resume."""
-    return {flag[2:].split("=")[0].replace("-", "_").removeprefix("no_") for flag in flags if flag.startswith("--")}
+def flag_names(module, flags: list) -> set:
+    """The names of the flags a command line gives, by the script's own names, as its __main__ block collects them for
+    --resume: a CleanRL alias (--e-policy) counts as the flag it stands for (e_pi). The aliases are read from the
+    script's Args, where tyro declares them."""
+    aliases = {}
+    for name, hint in typing.get_type_hints(module.Args, include_extras=True).items():
+        for marker in getattr(hint, "__metadata__", ()):
+            for alias in getattr(marker, "aliases", None) or ():
+                aliases[alias[2:].replace("-", "_")] = name
+    given = {flag[2:].split("=")[0].replace("-", "_").removeprefix("no_") for flag in flags if flag.startswith("--")}
+    return {aliases.get(name, name) for name in given}
 
 
 def checked_args(module, flags: list, what: str):
@@ -76,7 +85,7 @@ def checked_args(module, flags: list, what: str):
         with contextlib.redirect_stderr(stderr):
             args = tyro.cli(module.Args, args=flags)
             if args.resume:
-                args = module.resume_args(args, flag_names(flags))[0]
+                args = module.resume_args(args, flag_names(module, flags))[0]
         module.make_plan(args)
     except SystemExit as e:
         lines = [line.strip("│╭╮╰╯─ ") for line in stderr.getvalue().splitlines()]
