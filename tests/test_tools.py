@@ -175,6 +175,66 @@ def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys)
             assert abs(float(table[at][column + 2]) - (a + b) / 2) <= 0.0051, (method, at)
 
 
+def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsys):
+    """The README's starpilot table (issue 46) is what the committed logs hold: each return cell is what
+    tools/summarise_run.py reads from the run's event files in docs/logs/starpilot-cpu (or "not reached"); the phases,
+    wall time and env steps/s rows sum the "phase N done in S s" lines of its train.log; the released columns are
+    tools/report.py's released_return of the authors' results at the same step."""
+    import re
+
+    from released_shims import released_root
+
+    spec = importlib.util.spec_from_file_location("summarise_run", ROOT / "tools" / "summarise_run.py")
+    summarise = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarise)
+    readme = (ROOT / "README.md").read_text()
+    header = "| env steps | PPG seed 1 | PPO seed 1 | released PPG, hard | released PPO, hard |"
+    rows = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
+    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+    steps = {"0.5M (524,288)": 524_288, "1M (1,048,576)": 1_048_576, "2.1M (2,097,152)": 2_097_152}
+    phase_steps = 32 * 64 * 256  # N_pi rollouts of 64 envs x 256 steps, the defaults both runs keep
+    logs = ROOT / "docs" / "logs" / "starpilot-cpu"
+    for column, method in enumerate(("ppg", "ppo")):
+        run = logs / f"starpilot__{method}__1"
+        found = {}
+        if run.is_dir():
+            argv = ["summarise_run.py", str(run), "--at", *(str(s) for s in steps.values())]
+            monkeypatch.setattr(sys, "argv", argv)
+            summarise.main()
+            for line in capsys.readouterr().out.splitlines():
+                if "mean return" in line:
+                    found[int(line.split("steps:")[0].replace(",", ""))] = float(
+                        line.split("mean return")[1].split()[0]
+                    )
+        for row, step in steps.items():
+            expected = f"{found[step]:.2f}" if step in found else "not reached"
+            assert table[row][column] == expected, (method, row)
+        seconds = {}  # phase -> seconds; a phase done twice (stopped before its checkpoint) counts its last time
+        log = run / "train.log"
+        for match in re.finditer(r"^phase (\d+) done in ([\d.]+)s", log.read_text() if log.exists() else "", re.M):
+            seconds[int(match[1])] = float(match[2])
+        assert sorted(seconds) == list(range(1, len(seconds) + 1)), method
+        assert table["phases done"][column] == f"{len(seconds)} of 4", method
+        if seconds:
+            minutes = round(sum(seconds.values()) / 60)
+            assert table["wall time of those phases"][column] == f"{minutes // 60} h {minutes % 60} min", method
+            rate = len(seconds) * phase_steps / sum(seconds.values())
+            assert table["env steps/s over those phases"][column] == f"{rate:.1f}", method
+        else:
+            assert table["wall time of those phases"][column] == "-", method
+            assert table["env steps/s over those phases"][column] == "-", method
+    root, why = released_root()
+    if root is None:
+        pytest.skip(f"the released columns are unchecked: {why}")
+    report = importlib.util.spec_from_file_location("report", ROOT / "tools" / "report.py")
+    report_module = importlib.util.module_from_spec(report)
+    report.loader.exec_module(report_module)
+    results = root / "phasic_policy_gradient" / "results"
+    for row, step in steps.items():
+        for column, method in ((2, "ppg"), (3, "ppo")):
+            assert table[row][column] == f"{report_module.released_return(results, method, 'starpilot', step):.2f}"
+
+
 @pytest.mark.parametrize(
     "tool, default",
     [
