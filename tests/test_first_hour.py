@@ -7,6 +7,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import typing
 
 import pytest
 import tyro
@@ -16,8 +17,15 @@ from conftest import ALIASES, PATIENCE_S, ROOT, SCRIPTS, copy_run, load_script, 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_cleanrl_names_parse_as_ours(name):
-    """Each alias gives the same Args as our name, and the __main__ block maps the same names (for --resume)."""
+    """Each alias gives the same Args as our name, the Args declare no other alias, and the __main__ block maps the
+    same names (for --resume): an alias added to Args alone would count as an unknown flag on --resume."""
     script = load_script(name)
+    declared = {}
+    for ours, hint in typing.get_type_hints(script.Args, include_extras=True).items():
+        for marker in getattr(hint, "__metadata__", ()):
+            for alias in getattr(marker, "aliases", None) or ():
+                declared[alias[2:].replace("-", "_")] = ours
+    assert declared == ALIASES
     for alias, ours in ALIASES.items():
         as_alias = tyro.cli(script.Args, args=[f"--{alias.replace('_', '-')}", "3"])
         assert as_alias == tyro.cli(script.Args, args=[f"--{ours.replace('_', '-')}", "3"]) != script.Args(), alias
