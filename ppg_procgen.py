@@ -65,11 +65,11 @@ class Args:
     n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
     e_pi: Annotated[int, tyro.conf.arg(aliases=["--e-policy"])] = 1  # E_pi: policy epochs a rollout
     e_v: int = 1  # E_V: value epochs a rollout (with E_pi == E_V one step trains both losses)
-    e_aux: Annotated[int, tyro.conf.arg(aliases=["--e-auxiliary"])] = 6  # E_aux: aux epochs a phase
+    e_aux: Annotated[int, tyro.conf.arg(aliases=["--e-auxiliary"])] = 6  # E_aux: aux epochs a phase (0: none)
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux phase's joint loss
     # whole --num-steps trajectories per aux minibatch
     aux_mb_trajectories: Annotated[int, tyro.conf.arg(aliases=["--num-aux-rollouts"])] = 4
-    aux_kl_stop: float = 0.02  # KL guard: end the aux phase at a mean KL(pi_old || pi) above this
+    aux_kl_stop: float = 0.02  # KL guard: end the aux phase at a mean KL(pi_old || pi) above this (0: never)
     # states a forward/backward chunk: the same update, less memory (0: whole minibatches; None: 256 on a CPU)
     micro_batch_size: Optional[int] = None
     # `fp32`; `tf32`: TF32 matmuls and convolutions on a GPU (fp32 on a CPU); `bf16`: trunks in bf16

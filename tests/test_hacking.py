@@ -18,7 +18,8 @@ DIFFS = re.findall(r"```diff\n(.*?)```", (ROOT / "docs" / "hacking.md").read_tex
 
 def patched_script(diff: str, tmp_path):
     shutil.copy(ROOT / "ppg_procgen.py", tmp_path / "ppg_procgen.py")
-    done = subprocess.run(["patch", "-p1", "--forward"], input=diff, cwd=tmp_path, capture_output=True, text=True)
+    patch = ["patch", "-p1", "--forward", "--fuzz=0"]  # fuzz 0: a stale context line fails, as with `git apply`
+    done = subprocess.run(patch, input=diff, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr  # the guide's diff no longer applies: update it
     spec = importlib.util.spec_from_file_location("hacked_ppg_procgen", tmp_path / "ppg_procgen.py")
     module = importlib.util.module_from_spec(spec)
