@@ -202,10 +202,9 @@ def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsy
             monkeypatch.setattr(sys, "argv", argv)
             summarise.main()
             for line in capsys.readouterr().out.splitlines():
-                if "mean return" in line:
-                    found[int(line.split("steps:")[0].replace(",", ""))] = float(
-                        line.split("mean return")[1].split()[0]
-                    )
+                if "mean return" in line:  # "  524,288 steps: mean return    3.50 over the last 100 episodes"
+                    at, words = line.split("steps:")
+                    found[int(at.replace(",", ""))] = float(words.split()[2])
         for row, step in steps.items():
             expected = f"{found[step]:.2f}" if step in found else "not reached"
             assert table[row][column] == expected, (method, row)
@@ -229,13 +228,13 @@ def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsy
     root, why = released_root()
     if root is None:
         pytest.skip(f"the released columns are unchecked: {why}")
-    report = importlib.util.spec_from_file_location("report", ROOT / "tools" / "report.py")
-    report_module = importlib.util.module_from_spec(report)
-    report.loader.exec_module(report_module)
+    spec = importlib.util.spec_from_file_location("report", ROOT / "tools" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
     results = root / "phasic_policy_gradient" / "results"
     for row, step in steps.items():
         for column, method in ((2, "ppg"), (3, "ppo")):
-            assert table[row][column] == f"{report_module.released_return(results, method, 'starpilot', step):.2f}"
+            assert table[row][column] == f"{report.released_return(results, method, 'starpilot', step):.2f}", row
 
 
 @pytest.mark.parametrize(
