@@ -144,28 +144,40 @@ def test_benchmark_measures_raw_speed_at_the_chunks_training_runs(monkeypatch, c
         assert "chunk 1024: raw" in capsys.readouterr().out
 
 
+def summarised_returns(run, steps, monkeypatch, capsys) -> dict:
+    """{step: mean return} as tools/summarise_run.py prints it for the run folder at those env steps; a step it says
+    the run has not reached is left out."""
+    spec = importlib.util.spec_from_file_location("summarise_run", ROOT / "tools" / "summarise_run.py")
+    summarise = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarise)
+    monkeypatch.setattr(sys, "argv", ["summarise_run.py", str(run), "--at", *(str(step) for step in steps)])
+    summarise.main()
+    found = {}
+    for line in capsys.readouterr().out.splitlines():
+        if "mean return" in line:  # "  524,288 steps: mean return    3.50 over the last 100 episodes"
+            at, words = line.split("steps:")
+            found[int(at.replace(",", ""))] = float(words.split()[2])
+    return found
+
+
 def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys):
     """Every return and peak-memory figure of the README's Breakout table is what tools/summarise_run.py reads from
     the event files in docs/logs (a seed's mean of its last 100 games; a method's mean of its two seeds)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    spec = importlib.util.spec_from_file_location("summarise_run", ROOT / "tools" / "summarise_run.py")
-    summarise = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summarise)
     readme = (ROOT / "README.md").read_text()
     header = "| env steps | PPG seed 1 | PPG seed 2 | PPG mean | PPO seed 1 | PPO seed 2 | PPO mean |"
     rows = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
     table = {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+    steps = {"100k": 100_000, "250k": 250_000, "500k": 500_000}
     for column, method in ((0, "ppg"), (3, "ppo")):
         seeds = []
         for seed in (1, 2):
             (run,) = (ROOT / "docs" / "logs").glob(f"BreakoutNoFrameskip-v4__{method}__{seed}__*")
-            monkeypatch.setattr(sys, "argv", ["summarise_run.py", str(run), "--at", "100000", "250000", "500000"])
-            summarise.main()
-            out = capsys.readouterr().out
-            returns = [float(line.split("mean return")[1].split()[0]) for line in out.splitlines() if "mean" in line]
+            found = summarised_returns(run, steps.values(), monkeypatch, capsys)
+            returns = [found[step] for step in steps.values()]
             seeds.append(returns)
-            for at, value in zip(("100k", "250k", "500k"), returns):
+            for at, value in zip(steps, returns):
                 assert table[at][column + seed - 1] == f"{value:.2f}", (method, seed, at)
             acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
             acc.Reload()
@@ -184,9 +196,6 @@ def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsy
 
     from released_shims import released_root
 
-    spec = importlib.util.spec_from_file_location("summarise_run", ROOT / "tools" / "summarise_run.py")
-    summarise = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summarise)
     readme = (ROOT / "README.md").read_text()
     header = "| env steps | PPG seed 1 | PPO seed 1 | released PPG, hard | released PPO, hard |"
     rows = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
@@ -196,15 +205,7 @@ def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsy
     logs = ROOT / "docs" / "logs" / "starpilot-cpu"
     for column, method in enumerate(("ppg", "ppo")):
         run = logs / f"starpilot__{method}__1"
-        found = {}
-        if run.is_dir():
-            argv = ["summarise_run.py", str(run), "--at", *(str(s) for s in steps.values())]
-            monkeypatch.setattr(sys, "argv", argv)
-            summarise.main()
-            for line in capsys.readouterr().out.splitlines():
-                if "mean return" in line:  # "  524,288 steps: mean return    3.50 over the last 100 episodes"
-                    at, words = line.split("steps:")
-                    found[int(at.replace(",", ""))] = float(words.split()[2])
+        found = summarised_returns(run, steps.values(), monkeypatch, capsys) if run.is_dir() else {}
         for row, step in steps.items():
             expected = f"{found[step]:.2f}" if step in found else "not reached"
             assert table[row][column] == expected, (method, row)
