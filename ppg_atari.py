@@ -29,7 +29,7 @@ SCRIPT = os.path.basename(__file__)
 # ==== Arguments =======================================================================================================
 @dataclasses.dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the first part of the run name
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # run name: {env_id}__{exp_name}__{seed}__{time}
     seed: int = 1  # seed of python, numpy, torch and the envs (env i gets seed + i), in [0, 2^31)
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers live there too)
@@ -507,7 +507,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
     # TF32 only when asked: PyTorch runs cuDNN convolutions in TF32 by default on recent GPUs
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     micro_batch_flag = args.micro_batch_size  # checkpointed as given: a resume on another device takes its default
-    if args.micro_batch_size is None:  # the fastest measured on each device (tools/benchmark.py --sweep)
+    if args.micro_batch_size is None:  # CPU: 256, among the fastest (tools/benchmark.py --sweep); GPU: unmeasured
         args = dataclasses.replace(args, micro_batch_size=0 if device.type == "cuda" else 256)
     rows = (plan["trajectories"], args.num_steps)  # B: rows of whole trajectories, num_envs rows a rollout
     fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
