@@ -4,7 +4,6 @@ matches), rliable's IQM, mean and intervals over a runs x games matrix, the prob
 import importlib.util
 import os
 import re
-import pathlib
 import subprocess
 import sys
 
@@ -100,10 +99,14 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     assert report.released_return(results, "ppg", "bigfish", 65_535) is None  # before the first row
 
 
-@pytest.mark.skipif(not os.environ.get("PPG_RELEASED_CODE"), reason="the released code's results are not at hand")
 def test_released_rows_are_read_from_the_real_results():
+    from released_shims import released_root
+
+    root, why = released_root()  # $PPG_RELEASED_CODE, or the copy beside the checkout
+    if root is None:
+        pytest.skip(why)
     report = load_report()
-    results = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
+    results = root / "phasic_policy_gradient" / "results"
     runs = sorted(results.glob("ppo-run*/progress-starpilot.csv"))
     assert len(runs) == 3
     row = [float(path.read_text().splitlines()[1 + 99]) for path in runs]  # row 99: 100 x 65,536 steps
@@ -151,3 +154,35 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
     assert "P(ppg > ppo) needs more seeds" in out
     title = "mixed: 1 game, seeds ppg 2, ppo 1\nbands (ppg only): 95% stratified-bootstrap CIs"
     assert drawn[-1] == (title, 2, 1)  # two lines, one band
+
+
+def test_bad_input_stops_in_one_line_and_a_folder_kept_aside_is_left_out(tmp_path, monkeypatch, capsys):
+    """--reps and --points below what they can mean, and an Atari sweep (no Procgen normalisation range), stop in one
+    line naming the flag or the folder; a job folder kept aside under another name is left out, said in one line."""
+    report = load_report()
+    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+
+    def stop_of(*argv) -> str:
+        monkeypatch.setattr(sys, "argv", ["report.py", *map(str, argv)])
+        with pytest.raises(SystemExit) as stop:
+            report.main()
+        return str(stop.value.code)
+
+    sweep = tmp_path / "sweep"
+    write_run(sweep, "bigfish", "ppg", 1, [10.0] * 20, last=2 * 65_536)
+    assert stop_of(sweep, "--reps", "0") == "error: --reps must be at least 1 (got 0)"
+    assert stop_of(sweep, "--points", "1").startswith("error: --points must be at least 2")
+    (sweep / "bigfish__ppg__1").rename(sweep / "bigfish__ppg__1.old")  # kept aside: not a run of the sweep
+    write_run(sweep, "bigfish", "ppg", 1, [10.0] * 20, last=2 * 65_536)
+    monkeypatch.setattr(sys, "argv", ["report.py", str(sweep), "--reps", "50", "--points", "4", "--out", "x"])
+    monkeypatch.chdir(tmp_path)
+    report.main()
+    out = capsys.readouterr().out
+    assert "bigfish__ppg__1.old: not a <game>__<method>__<seed> folder, left out" in out and "1 run: " in out, out
+    atari = tmp_path / "atari"
+    write_run(atari, "BreakoutNoFrameskip-v4", "ppg", 1, [1.0] * 20, last=65_536)
+    (checkpoint,) = atari.glob("*/runs/*/checkpoint.pt")
+    state = torch.load(checkpoint, weights_only=True)
+    del state["args"]["distribution_mode"]  # as ppg_atari.py writes its checkpoint: no Procgen mode
+    torch.save(state, checkpoint)
+    assert stop_of(atari) == f"error: {atari}: Procgen sweeps only (an Atari run: tools/summarise_run.py, plot_runs.py)"

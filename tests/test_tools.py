@@ -31,6 +31,28 @@ def test_summarise_run_reads_returns_at_steps(tmp_path):
     assert "SPS at step 300,000: 123" in out
 
 
+def test_summarise_run_stops_in_one_line_on_a_folder_without_a_runs_log_or_a_window_below_1(tmp_path):
+    """A folder whose event files hold no charts/SPS (not a runs/{run_name} folder: a sweep's job folder, say) and
+    --window 0 (which would average every episode) each stop in one line; a run with no finished episode says so."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    def summarise(*argv):
+        command = [sys.executable, str(ROOT / "tools" / "summarise_run.py"), *map(str, argv)]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_scalar("charts/SPS", 50.0, 4096)  # one rollout logged, no episode ended
+    writer.close()
+    done = summarise(tmp_path / "run", "--at", "4096")
+    assert done.returncode == 0 and "4,096 steps: no episode had finished yet" in done.stdout, done.stderr
+    done = summarise(tmp_path, "--at", "4096")  # the folder above: no event file of its own
+    assert done.returncode == 1 and done.stderr.strip() == (
+        f"error: {tmp_path}: no charts/SPS in its event files (a runs/{{run_name}} folder holds them)"
+    ), done.stderr
+    done = summarise(tmp_path / "run", "--window", "0")
+    assert done.returncode == 1 and done.stderr.strip() == "error: --window must be at least 1 (got 0)", done.stderr
+
+
 def _write_run(run_dir, offset: float) -> None:
     from torch.utils.tensorboard import SummaryWriter
 

@@ -56,6 +56,9 @@ def read_runs(folder: pathlib.Path) -> list:
     runs = []
     for job in sorted(folder.glob("*__*__*")):
         game, method, seed = job.name.rsplit("__", 2)
+        if not seed.isdigit():  # a folder kept aside (bigfish__ppg__1.old) is not one of the sweep's runs
+            print(f"{job.name}: not a <game>__<method>__<seed> folder, left out")
+            continue
         found = sorted(glob.glob(f"{job}/runs/*/checkpoint.pt"))
         if not found:
             print(f"{job.name}: no checkpoint yet, left out")
@@ -155,10 +158,20 @@ def main() -> None:
     )
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples; rliable's own default is 50,000")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=2000,
+        help="bootstrap resamples of the intervals and P(X > Y) (the figure's bands: a tenth, at least 200); "
+        "rliable's own default is 50,000",
+    )
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
     parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png (default: FOLDER/report)")
     opts = parser.parse_args()
+    if opts.reps < 1:
+        sys.exit(f"error: --reps must be at least 1 (got {opts.reps})")
+    if opts.points < 2:
+        sys.exit(f"error: --points must be at least 2: a curve needs two (got {opts.points})")
     if not opts.folder.is_dir():
         sys.exit(f"error: {opts.folder}: not a folder")
     runs = read_runs(opts.folder)
@@ -170,6 +183,8 @@ def main() -> None:
     if released is None and os.environ.get("PPG_RELEASED_CODE"):
         released = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
     games, methods = sorted({r["game"] for r in runs}), sorted({r["method"] for r in runs})
+    if not all("distribution_mode" in r["flags"] for r in runs):  # scores are normalised by Procgen's ranges
+        sys.exit(f"error: {opts.folder}: Procgen sweeps only (an Atari run: tools/summarise_run.py, plot_runs.py)")
     modes = {r["flags"]["distribution_mode"] for r in runs}
     if len(modes) > 1:
         sys.exit(f"error: {opts.folder}: runs of both distribution modes ({sorted(modes)}): report each sweep alone")

@@ -20,10 +20,15 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs="+", default=[100_000, 250_000, 500_000], help="env steps")
     parser.add_argument("--window", type=int, default=100, help="episodes averaged")
     args = parser.parse_args()
+    if args.window < 1:
+        sys.exit(f"error: --window must be at least 1 (got {args.window})")
 
     acc = EventAccumulator(args.run_dir, size_guidance={"scalars": 0})
     acc.Reload()
-    episodes = acc.Scalars("charts/episodic_return")
+    tags = acc.Tags()["scalars"]
+    if "charts/SPS" not in tags:  # no rollout logged: not a runs/{run_name} folder, or the run's first rollout is on
+        sys.exit(f"error: {args.run_dir}: no charts/SPS in its event files (a runs/{{run_name}} folder holds them)")
+    episodes = acc.Scalars("charts/episodic_return") if "charts/episodic_return" in tags else []
     steps = np.array([e.step for e in episodes])
     returns = np.array([e.value for e in episodes])
     last_step = max(e.step for e in acc.Scalars("charts/SPS"))
