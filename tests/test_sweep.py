@@ -116,6 +116,10 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
             "error: dodgeball mine: --e-aux",
         ),
         (["--games", "dodgeball", "--jobs", "0"], "error: --jobs must be at least 1"),
+        # one folder a run: a value given twice would start two jobs in the same folder at once
+        (["--games", "dodgeball", "--seeds", "1", "2", "1"], "error: --seeds: 1 given twice"),
+        (["--games", "dodgeball", "dodgeball"], "error: --games: dodgeball given twice"),
+        (["--games", "dodgeball", "--methods", "ppo", "ppo"], "error: --methods: ppo given twice"),
         (["--games", "dodgeball", "--threads", "-1"], "error: --threads must be at least 0"),
         # the grid's own flags, in either form, after -- or in a method: they would win over the grid's values while
         # the run's folder is named by the grid's
@@ -137,11 +141,15 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
 def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):
     """A run with a checkpoint resumes with the flags it started with (the budget raised): the script keeps a resumed
     run's training flags, so one changed since its start stops the sweep in one line, before anything is submitted,
-    instead of being silently ignored, given by its name or by its CleanRL alias (--e-policy is --e-pi). (--dry-run on
-    the shared grid's finished runs: nothing is written.)"""
+    instead of being silently ignored, given by its name or by its CleanRL alias (--e-policy is --e-pi), or left out
+    (back at its default). The same holds for a done run: a finished sweep run again with a changed flag does not
+    report its old runs as done. (--dry-run on the shared grid's finished runs: nothing is written.)"""
     argv = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--total-timesteps", "256"]
-    argvs = [argv, [*argv, "--ent-coef", "0.02"], [*argv, "--e-policy", "2"]]
-    (same, printed), (changed, _), (aliased, _) = mains_in_one_process(sweep_grid.root, argvs)
+    at = SWEEP_TINY.index("--n-pi")
+    left_out = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY[:at], *SWEEP_TINY[at + 2 :]]  # --n-pi: 32 again
+    finished = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--ent-coef", "0.02"]  # the budget as it was: done
+    argvs = [argv, [*argv, "--ent-coef", "0.02"], [*argv, "--e-policy", "2"], left_out, finished]
+    (same, printed), (changed, _), (aliased, _), (omitted, _), (done, _) = mains_in_one_process(sweep_grid.root, argvs)
     assert same is None and "4 runs, 0 done, 4 to run" in printed, printed
     resumes = [line for line in printed.splitlines() if line.startswith("resume ")]
     assert len(resumes) == 4 and all(
@@ -153,6 +161,8 @@ def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_
     )
     assert "--ent-coef 0.02: a resumed run keeps its flags (0.01)" in changed and "\n" not in changed, changed
     assert aliased and "--e-pi 2: a resumed run keeps its flags (1)" in aliased and "\n" not in aliased, aliased
+    assert omitted and "--n-pi 32: a resumed run keeps its flags (2)" in omitted and "\n" not in omitted, omitted
+    assert done and "--ent-coef 0.02: a resumed run keeps its flags (0.01)" in done and "\n" not in done, done
 
 
 def job_process(root: pathlib.Path) -> int:

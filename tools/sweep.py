@@ -11,9 +11,11 @@ paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `-
 flags win over them; the grid's own, --env-id, --seed and --exp-name, are refused there). Each run has a fixed
 folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
 runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
-is done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags: the budget may
-rise, a changed training flag stops the sweep in one line); a folder without one is emptied and the run starts
-afresh. So the same command, run again, finishes what was stopped and leaves what is done.
+is done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags); a folder without
+one is emptied and the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is
+done. Where a folder has a checkpoint, done or not, the command must describe that run: the budget may rise, but a
+training flag that differs from the checkpoint's, given or left at its default, stops the sweep in one line. Do not
+run the command again while its jobs still run (on SLURM: squeue): it would start each unfinished run a second time.
 
 --cluster slurm submits every job and returns; a job that reaches its time limit, or that the cluster preempts with
 a signal, is requeued by submitit and resumes from its last phase checkpoint. --cluster local runs the jobs here and
@@ -36,7 +38,6 @@ import signal
 import subprocess
 import sys
 import time
-import typing
 
 import submitit
 
@@ -62,22 +63,10 @@ def gives(flags: list, name: str) -> bool:
     return any(flag == name or flag.startswith(name + "=") for flag in flags)
 
 
-def flag_names(module, flags: list) -> set:
-    """The names of the flags a command line gives, by the script's own names, as its __main__ block collects them for
-    --resume: a CleanRL alias (--e-policy) counts as the flag it stands for (e_pi). The aliases are read from the
-    script's Args, where tyro declares them."""
-    aliases = {}
-    for name, hint in typing.get_type_hints(module.Args, include_extras=True).items():
-        for marker in getattr(hint, "__metadata__", ()):
-            for alias in getattr(marker, "aliases", None) or ():
-                aliases[alias[2:].replace("-", "_")] = name
-    given = {flag[2:].split("=")[0].replace("-", "_").removeprefix("no_") for flag in flags if flag.startswith("--")}
-    return {aliases.get(name, name) for name in given}
-
-
 def checked_args(module, flags: list, what: str):
     """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan; on
-    --resume, resume_args: a resumed run keeps the training flags of its checkpoint)."""
+    --resume, resume_args: a resumed run keeps the training flags of its checkpoint, and each flag of the command, named
+    or left at its default, must equal the checkpoint's: a sweep's command describes its runs whole)."""
     import tyro
 
     stderr = io.StringIO()
@@ -85,7 +74,7 @@ def checked_args(module, flags: list, what: str):
         with contextlib.redirect_stderr(stderr):
             args = tyro.cli(module.Args, args=flags)
             if args.resume:
-                args = module.resume_args(args, flag_names(module, flags))[0]
+                args = module.resume_args(args, set(vars(args)))[0]
         module.make_plan(args)
     except SystemExit as e:
         lines = [line.strip("│╭╮╰╯─ ") for line in stderr.getvalue().splitlines()]
@@ -165,7 +154,12 @@ def plan_jobs(opts, common: list):
         if "=" not in item:
             sys.exit(f'error: --method {item!r}: give it as NAME="FLAGS"')
         name, flags = item.split("=", 1)
+        if "__" in name or "/" in name:  # the run's folder is <game>__<method>__<seed>
+            sys.exit(f"error: --method {item!r}: a name without '__' or '/' (it names the runs' folders)")
         methods[name] = flags
+    for name in ("games", "seeds", "methods"):  # one folder a run: a value given twice would run two jobs in one folder
+        if twice := sorted({str(v) for v in getattr(opts, name) if getattr(opts, name).count(v) > 1}):
+            sys.exit(f"error: --{name}: {', '.join(twice)} given twice")
     if unknown := [m for m in opts.methods if m not in methods]:
         sys.exit(f"error: --methods: unknown {unknown}; known: {sorted(methods)} (add one with --method NAME=FLAGS)")
     if opts.games == ["all"] and hasattr(module, "PROCGEN_GAMES"):
@@ -190,11 +184,11 @@ def plan_jobs(opts, common: list):
                 flags += shlex.split(methods[method])  # last: a method's own flags win over the common ones
                 args = checked_args(module, flags, what)
                 folder = (pathlib.Path(opts.root) / opts.name / f"{game.replace('/', '-')}__{method}__{seed}").resolve()
-                total = planned_steps(module, args)
-                command = job_command(str(script), folder, flags, total)
-                if command is not None and "--resume" in command:  # the script keeps a resumed run's flags: ask it
+                run, _ = last_checkpoint(folder)
+                if run is not None:  # done or to resume: the run in the folder must be the one these flags describe
                     resumed = f"{folder.name} has a checkpoint (change no training flag, or use a new --name)"
-                    checked_args(module, command[2:], resumed)
+                    checked_args(module, ["--resume", str(run), *flags], resumed)
+                total = planned_steps(module, args)
                 jobs.append((folder, flags, total))
     return str(script), jobs
 
