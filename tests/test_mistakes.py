@@ -96,6 +96,8 @@ def recorded(request, tmp_path_factory):
         wrap(mp, script, "gradient_step", before=lambda agent, opt, *a: rec["steps"].append((phase[0], opt)))
         wrap(mp, script, "compute_gae", before=lambda rewards, *a: rec["gae_rewards"].append(rewards.clone()))
         wrap(mp, script, "compute_gae", after=lambda out, *a: rec["returns"].append(out[1].clone()))
+        wrap(mp, script, "compute_gae", after=lambda out, r, values, *a: rec["gae"].append((out[0], values.clone())))
+        wrap(mp, script.RewardNormalizer, "__call__", before=lambda self, raw, *a: rec["raw"].append(raw.copy()))
         wrap(mp, script.RewardNormalizer, "__call__", after=lambda out, *a: rec["scaled"].append(out.copy()))
         if request.param == "ppg_procgen.py":
             wrap(
@@ -226,6 +228,8 @@ def test_rewards_are_normalised_before_gae(recorded):
     assert len(rec["scaled"]) == len(rec["gae_rewards"]) == 3
     for out, rewards in zip(rec["scaled"], rec["gae_rewards"]):
         assert np.array_equal(out, rewards.numpy())
+    # the normaliser changed some reward (else GAE on the raw rewards would pass the check above too)
+    assert any(not np.array_equal(out, raw) for out, raw in zip(rec["scaled"], rec["raw"]))
 
 
 def test_max_grad_norm_clips_each_network_separately(script):
@@ -295,6 +299,8 @@ def test_aux_targets_are_v_hat_the_rollout_returns(recorded):
     _, rec, _ = recorded
     (buffer,) = rec["targets"]  # one aux phase, after rollouts 1 and 2 (slots 0 and 1: 2 envs each)
     assert torch.equal(buffer, torch.cat(rec["returns"][:2]))
+    for returns, (advantages, values) in zip(rec["returns"][:2], rec["gae"][:2]):  # GAE's returns are A + V, not V
+        assert torch.equal(returns, advantages + values) and not torch.equal(returns, values)
 
 
 def test_training_levels_are_the_flags_and_the_env_is_seeded(recorded):

@@ -9,10 +9,11 @@ min(episodes, 64) envs plays a fixed share of the episodes, its first ones: taki
 episodes end first would favour short ones. Returns are raw game scores; on Atari, whole games.
 Procgen: the run's training levels, then the full level distribution (unseen levels); a run on all
 levels (--num-levels 0) has one set; returns are also given as Procgen-normalised scores (tools/scores.py).
-Env seeds differ from training's (the run's --seed + 2,000,003 + --seed here, wrapped below 2^31 as the
-scripts wrap seeds). Writes the returns beside the file, named by what they depend on, so that no evaluation replaces
-another: <stem>.eval-step<N>-<episodes>ep-seed<seed>.json (a checkpoint; a --save-model file has no step), and the
-videos to <stem>.videos-<the same>/. The same file, step and settings again are refused: remove that file first.
+Env seeds differ from training's: the run's --seed + 2^30 + --seed here, wrapped below 2^31 as the scripts wrap seeds,
+which a run's phase k (trained on its --seed + 100,003 k) would reach only after about 10,000 phases. Writes the
+returns beside the file, named by what they depend on, so that no evaluation replaces another:
+<stem>.eval-step<N>-<episodes>ep-seed<seed>.json (a checkpoint; a --save-model file has no step), and the videos to
+<stem>.videos-<the same>/. The same file, step and settings again are refused: remove that file first.
 """
 
 import argparse
@@ -146,7 +147,7 @@ def main() -> None:
     torch.manual_seed(opts.seed)
 
     n = min(opts.episodes, 64)
-    seed = (args.seed + 2_000_003 + opts.seed) % (2**31 - n)  # wrapped below 2^31 - n, as the scripts wrap seeds
+    seed = (args.seed + 2**30 + opts.seed) % (2**31 - n)  # wrapped below 2^31 - n, as the scripts wrap seeds
     procgen = module.SCRIPT == "ppg_procgen.py"
     env_class = module.ProcgenVecEnv if procgen else module.AtariVecEnv
     sets = {"games": ("whole games", {})}  # name: (description, the env class's level arguments)
@@ -190,8 +191,9 @@ def main() -> None:
         print(f"{line} over {len(returns)} episodes", flush=True)
         report["sets"][name] = dict(result, returns=returns)
 
+    text = json.dumps(report, indent=1)  # made whole first: a Ctrl-C here cannot leave half a report behind
     with open(out, "x") as f:  # "x": never over an earlier report, even one written since the check above
-        json.dump(report, f, indent=1)
+        f.write(text)
     print(f"written to {out}" + (f"; videos in {videos}" if opts.capture_video else ""))
 
 
