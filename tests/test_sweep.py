@@ -120,6 +120,10 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
         (["--games", "dodgeball", "--seeds", "1", "2", "1"], "error: --seeds: 1 given twice"),
         (["--games", "dodgeball", "dodgeball"], "error: --games: dodgeball given twice"),
         (["--games", "dodgeball", "--methods", "ppo", "ppo"], "error: --methods: ppo given twice"),
+        (
+            ["--games", "dodgeball", "--method", "a__b=--e-aux 1", "--methods", "a__b"],
+            "error: --method 'a__b=--e-aux 1'",
+        ),
         (["--games", "dodgeball", "--threads", "-1"], "error: --threads must be at least 0"),
         # the grid's own flags, in either form, after -- or in a method: they would win over the grid's values while
         # the run's folder is named by the grid's
