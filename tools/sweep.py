@@ -65,8 +65,8 @@ def gives(flags: list, name: str) -> bool:
 
 def checked_args(module, flags: list, what: str):
     """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan; on
-    --resume, resume_args: a resumed run keeps the training flags of its checkpoint, and each flag of the command, named
-    or left at its default, must equal the checkpoint's: a sweep's command describes its runs whole)."""
+    --resume, resume_args: a resumed run keeps the training flags of its checkpoint, and each training flag of the
+    command, named or left at its default, must equal the checkpoint's: a sweep's command describes its runs whole)."""
     import tyro
 
     stderr = io.StringIO()
