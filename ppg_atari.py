@@ -55,7 +55,8 @@ class Args:
     norm_reward: bool = False  # if toggled, scale rewards by the running std of their discounted return
     reward_norm_gamma: float = 0.99  # discount of that return (0.99 in the released code)
     num_minibatches: int = 4  # PPO minibatches per epoch in the policy phase
-    clip_coef: float = 0.1  # PPO clipping coefficient
+    clip_coef: float = 0.1  # PPO's clipping coefficient epsilon of L_clip (0: no clipping)
+    kl_penalty: float = 0.0  # weight of L_KL's penalty 0.5 mean(log ratio^2) (the paper: --clip-coef 0 --kl-penalty 1)
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
 
@@ -69,7 +70,7 @@ class Args:
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux phase's joint loss
     # whole --num-steps trajectories per aux minibatch
     aux_mb_trajectories: Annotated[int, tyro.conf.arg(aliases=["--num-aux-rollouts"])] = 4
-    aux_kl_stop: float = 0.02  # KL guard: end the aux phase at a mean KL(pi_old || pi) above this (0: never)
+    aux_kl_stop: float = 0.0  # KL guard: end the aux phase after an epoch whose mean KL(pi_old || pi) > this (0: off)
     # states a forward/backward chunk: the same update, less memory (0: whole minibatches; None: 256 on a CPU)
     micro_batch_size: Optional[int] = None
     # `fp32`; `tf32`: TF32 matmuls and convolutions on a GPU (fp32 on a CPU); `bf16`: trunks in bf16
@@ -95,8 +96,9 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     rules.update(e_pi=at_least_1, e_v=at_least_1, total_timesteps=at_least_1, aux_mb_trajectories=at_least_1)
     rules.update(e_aux=at_least_0, micro_batch_size=at_least_0, beta_clone=at_least_0, ent_coef=at_least_0)
     rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, max_episode_frames=at_least_1)
-    rules.update(learning_rate=positive, clip_coef=positive, gamma=fraction, gae_lambda=fraction)
-    rules.update(reward_norm_gamma=fraction, repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
+    rules.update(learning_rate=positive, clip_coef=at_least_0, kl_penalty=at_least_0, gamma=fraction)
+    rules.update(gae_lambda=fraction, reward_norm_gamma=fraction)
+    rules.update(repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
     rules.update(seed=("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31))
     for name, (rule, ok) in rules.items():
         value = getattr(args, name)
@@ -105,6 +107,8 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     gym.register_envs(ale_py)  # only ALE/*-v5 ids have ale-py's vector env
     if (ale_id := ale_protocol(args.env_id)[0]) not in gym.registry or not ale_id.endswith("-v5"):
         sys.exit(f"error: --env-id {args.env_id}: not an ale-py game id, as BreakoutNoFrameskip-v4 or ALE/Breakout-v5")
+    if args.clip_coef == 0 and args.kl_penalty == 0:
+        sys.exit("error: --clip-coef 0 leaves the policy step unbounded: give --kl-penalty > 0 too (L_KL), or clip")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         sys.exit(f"error: --num-minibatches {args.num_minibatches} does not divide a rollout's {batch_size} states")
@@ -291,17 +295,21 @@ def policy_kl(old_logits, new_logits):
 
 
 def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
-    """PPO's clipped surrogate minus the entropy bonus (`policy`) plus 0.5 MSE of V (`value`): (loss, stats). mb is a
-    --micro-batch-size chunk: a statistic over a whole minibatch belongs in policy_phase_update, where it is drawn."""
+    """PPO's surrogate (L_clip, or L_KL's penalised one) minus the entropy bonus (`policy`) plus 0.5 MSE of V (`value`):
+    (loss, stats). mb is a --micro-batch-size chunk: a statistic over a whole minibatch belongs in policy_phase_update."""
     loss, stats = 0.0, {}
     if "policy" in terms:
         logprobs = F.log_softmax(out.logits, dim=-1)
         logratio = logprobs.gather(-1, mb["actions"].unsqueeze(-1)).squeeze(-1) - mb["logprobs"]
         ratio, adv = logratio.exp(), mb["advantages"]
-        pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+        pg_loss = -adv * ratio
+        if args.clip_coef > 0:  # L_clip; with --clip-coef 0 the plain surrogate, bounded by L_KL's penalty instead
+            pg_loss = torch.max(pg_loss, -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
+        pg_loss = pg_loss.mean()
+        kl_penalty = args.kl_penalty * 0.5 * logratio.pow(2).mean()  # L_KL's penalty, as the released code (0: off)
         entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
-        loss = loss + pg_loss - args.ent_coef * entropy
-        stats.update(policy_loss=pg_loss, entropy=entropy)
+        loss = loss + pg_loss + kl_penalty - args.ent_coef * entropy
+        stats.update(policy_loss=pg_loss, kl_penalty=kl_penalty, entropy=entropy)
         with torch.no_grad():
             stats.update(approx_kl=((ratio - 1) - logratio).mean())  # the low-variance k3 estimator
             stats.update(clipfrac=((ratio - 1).abs() > args.clip_coef).float().mean())
