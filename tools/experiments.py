@@ -1,0 +1,56 @@
+"""The seven experiments that the released code's README reproduces, as ppg_procgen.py runs them. Each is a set of
+variants (a name and the flags that make it), the runs of each variant, and the released results folders of the same
+runs (phasic_policy_gradient/results/<folder>/progress-<game>.csv). tools/sweep.py --experiment runs one;
+tools/report.py --experiment puts it beside the released curves.
+
+The released commands (mpiexec -np 4 python -m phasic_policy_gradient.train ...) and ours:
+    PPG                 (no flag)                                   ours: (no flag)
+    PPO                 --n_epoch_pi 3 --n_epoch_vf 3 --n_aux_epochs 0 --arch shared
+                                                                    ours: --e-pi 3 --e-v 3 --e-aux 0 --arch shared
+    E_pi = N            --n_epoch_pi N                              ours: --e-pi N
+    E_aux = N           --n_aux_epochs N                            ours: --e-aux N
+    N_pi = N            --n_pi N                                    ours: --n-pi N
+    L_KL                --clip_param 0 --kl_penalty 1               ours: --clip-coef 0 --kl-penalty 1
+    single network      --arch detach                               ours: --arch detach
+Every run has the paper's protocol: the 16 games in hard mode, 100M env steps, and the released code's batch in one
+process (4 workers x 64 envs: --num-envs 256; 4 workers x 4 aux trajectories: --aux-mb-trajectories 16).
+"""
+
+PAPER_PROTOCOL = "--distribution-mode hard --num-envs 256 --aux-mb-trajectories 16 --total-timesteps 100000000"
+THREE_SEEDS, ONE_SEED = (1, 2, 3), (1,)  # the released runs: 3 of PPG, PPO, L_KL and single network; 1 of each value
+
+
+def experiment(variants: dict, seeds: tuple, released: dict) -> dict:
+    """variants: name -> flags; released: name -> the released results folders of that variant's runs."""
+    return dict(variants=variants, seeds=seeds, released=released)
+
+
+EXPERIMENTS = {
+    "ppg": experiment({"ppg": ""}, THREE_SEEDS, {"ppg": ["ppg-run0", "ppg-run1", "ppg-run2"]}),
+    "ppo": experiment(
+        {"ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}, THREE_SEEDS, {"ppo": ["ppo-run0", "ppo-run1", "ppo-run2"]}
+    ),
+    "ppgkl": experiment(
+        {"ppgkl": "--clip-coef 0 --kl-penalty 1"}, THREE_SEEDS, {"ppgkl": ["ppgkl-run0", "ppgkl-run1", "ppgkl-run2"]}
+    ),
+    "ppg-single-network": experiment(
+        {"ppgsingle": "--arch detach"},
+        THREE_SEEDS,
+        {"ppgsingle": ["ppgsingle-run0", "ppgsingle-run1", "ppgsingle-run2"]},
+    ),
+    "e-pi": experiment(
+        {f"e-pi-{n}": f"--e-pi {n}" for n in (1, 2, 3, 4, 5, 6)},
+        ONE_SEED,
+        {f"e-pi-{n}": [f"e-pi-{n}"] for n in (1, 2, 3, 4, 5, 6)},
+    ),
+    "e-aux": experiment(
+        {f"e-aux-{n}": f"--e-aux {n}" for n in (1, 2, 3, 6, 9)},
+        ONE_SEED,
+        {f"e-aux-{n}": [f"e-aux-{n}"] for n in (1, 2, 3, 6, 9)},
+    ),
+    "n-pi": experiment(
+        {f"n-pi-{n}": f"--n-pi {n}" for n in (2, 4, 8, 16, 32)},
+        ONE_SEED,
+        {f"n-pi-{n}": [f"n-pi-{n}"] for n in (2, 4, 8, 16, 32)},
+    ),
+}
