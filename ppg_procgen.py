@@ -1,5 +1,8 @@
-"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Procgen, one file read top to bottom: flags, vector
-env, networks (IMPALA CNN), the PPG pieces, the rollout and the two phases, and main(): the paper's Algorithm 1."""
+"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Procgen (IMPALA CNN), one file read top to bottom.
+Where each idea lives: flags in `Args` (checked, every count derived, in `make_plan`); the networks in `PPGAgent`, their
+outputs by name in `AgentOutput` (a new head: `PPGAgent.extra_heads`); the losses in `policy_phase_loss` (L_clip or
+L_KL, entropy, L_value) and `aux_phase_loss` (L_joint, L_value); per-step data in `buffer_fields`, the one table of what
+the buffer B stores; advantages and value targets in `compute_targets`; the schedule in `main()`, Algorithm 1."""
 
 import dataclasses
 import importlib.util
@@ -24,6 +27,8 @@ PROCGEN_GAMES = "bigfish bossfight caveflyer chaser climber coinrun dodgeball fr
 PROCGEN_GAMES = tuple(f"{PROCGEN_GAMES} ninja plunder starpilot".split())  # the 16 games
 OBS_SHAPE = (64, 64, 3)  # HWC uint8, as Procgen emits it
 NUM_ACTIONS = 15  # every Procgen game uses the same 15-action set
+ACTIVATION_BYTES = 1_525_000  # a state's in one trunk's update, fp32: 1.22 MB measured (docs/runs.md), +25%
+CPU_STEPS_PER_S = 60  # a whole PPG phase at the defaults, fp32, on 2 cores of an AMD EPYC (docs/benchmarks.md)
 SCRIPT = os.path.basename(__file__)
 
 
@@ -60,7 +65,6 @@ class Args:
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
 
-    # Phasic Policy Gradient
     # `dual`: policy and value networks apart; `detach`: value head on detached features; `shared`: PPO's
     arch: Literal["dual", "detach", "shared"] = "dual"
     n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
@@ -190,7 +194,8 @@ class AgentOutput(NamedTuple):
     logits: torch.Tensor  # the policy's logits, fp32
     value: torch.Tensor  # V: the true value head
     aux_value: torch.Tensor  # V_aux: the auxiliary value head, on the policy trunk
-    features: torch.Tensor  # the policy trunk's features (fp32), for a new head
+    features: torch.Tensor  # the policy trunk's features (fp32)
+    heads: Dict[str, torch.Tensor] = {}  # the outputs of PPGAgent.extra_heads, by name
 
 
 class PPGAgent(nn.Module):
@@ -206,6 +211,9 @@ class PPGAgent(nn.Module):
         self.aux_value_head = normed_init_(nn.Linear(width, 1), 0.1)
         self.v_trunk = ImpalaEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = normed_init_(nn.Linear(width, 1), 0.1)
+        # A new head: an entry here (extra_heads["reward"] = nn.Linear(width, 1)) and a loss term on out.heads["reward"].
+        # Its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
+        self.extra_heads = nn.ModuleDict()
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
         """The one place precision is chosen: with bf16 the trunk runs under autocast; heads and losses stay fp32."""
@@ -223,7 +231,8 @@ class PPGAgent(nn.Module):
         logits = None if h is None else self.pi_head(h)
         value = None if v is None else self.value_head(v).squeeze(-1)
         aux_value = None if h is None else self.aux_value_head(h).squeeze(-1)
-        return AgentOutput(logits=logits, value=value, aux_value=aux_value, features=h)
+        heads = {name: head(h) for name, head in self.extra_heads.items()} if h is not None else {}
+        return AgentOutput(logits=logits, value=value, aux_value=aux_value, features=h, heads=heads)
 
     def value_parameters(self) -> List[nn.Parameter]:  # theta_V: the value network (dual) or its head alone
         return [*(self.v_trunk.parameters() if self.v_trunk is not None else []), *self.value_head.parameters()]
@@ -283,10 +292,11 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
     return advantages, advantages + values
 
 
-def policy_kl(old_logits, new_logits):
-    """Exact KL(pi_old || pi) over all actions, averaged over states."""
-    old_logp = F.log_softmax(old_logits, dim=-1)
-    return (old_logp.exp() * (old_logp - F.log_softmax(new_logits, dim=-1))).sum(-1).mean()
+def kl_divergence(p_logits, q_logits):
+    """KL(p || q) of the categoricals with these logits, exact over all actions, averaged over states. PPG's clone
+    loss is KL(pi_old || pi): kl_divergence(pi_old_logits, logits)."""
+    p_logp = F.log_softmax(p_logits, dim=-1)
+    return (p_logp.exp() * (p_logp - F.log_softmax(q_logits, dim=-1))).sum(-1).mean()
 
 
 def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
@@ -318,7 +328,7 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
     """L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone KL(pi_old || pi) on the policy network, plus the value network's
     L_value = 0.5 (V - V_hat)^2: (loss, stats). mb is a chunk, as in policy_phase_loss."""
     l_aux = 0.5 * (out.aux_value - mb["returns"]).pow(2).mean()
-    l_clone = policy_kl(mb["pi_old_logits"], out.logits)
+    l_clone = kl_divergence(mb["pi_old_logits"], out.logits)  # KL(pi_old || pi)
     joint = l_aux + args.beta_clone * l_clone
     l_value = 0.5 * (out.value - mb["returns"]).pow(2).mean()
     return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
@@ -327,7 +337,7 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
 @torch.no_grad()
 def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
     """pi_old: the logits of the policy as it is NOW (after the policy phase) on every state of B, not the rollout's.
-    Logits: policy_kl normalises both sides alike, so an unchanged policy has a KL of exactly 0."""
+    Logits: kl_divergence normalises both sides alike, so an unchanged policy has a KL of exactly 0."""
     logits = [agent(part, terms=("policy",)).logits for part in obs_buffer.flatten(0, 1).split(chunk)]
     return torch.cat(logits).view(*obs_buffer.shape[:2], -1)
 
@@ -441,7 +451,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     def loss_of(c):  # the loss, and the guard's KL(pi_old || pi): clone_kl, unless a hack changes the clone loss
         out = agent(c["obs"])
         loss, stats = aux_phase_loss(out, c, args)
-        return loss, dict(stats, guard_kl=policy_kl(c["pi_old_logits"], out.logits.detach()))
+        return loss, dict(stats, guard_kl=kl_divergence(c["pi_old_logits"], out.logits.detach()))
 
     for epoch in range(1, args.e_aux + 1):
         logs, epoch_start = defaultdict(list), time.time()
@@ -474,6 +484,8 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
     """The checkpoint of --resume and the run's flags from it (a flag added since: its default), but for those a resume
     may change that the command line names (`given`; None: those off their defaults). Returns (args, ckpt, folder)."""
     path = os.path.join(args.resume, "checkpoint.pt") if os.path.isdir(args.resume) else args.resume
+    if os.path.isdir(args.resume) and not os.path.exists(path):
+        sys.exit(f"error: --resume {args.resume}: no checkpoint (it stopped before its first phase ended): start again")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: runs no code
         if state["script"] != SCRIPT:
@@ -498,6 +510,27 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
     return Args(**saved), state, os.path.dirname(os.path.abspath(path))
 
 
+def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) -> Tuple[int, int, int]:
+    """(--micro-batch-size to run with, bytes of B, bytes of a chunk's activations at ACTIVATION_BYTES a state and
+    trunk). None chooses 256 on a CPU (among the fastest: tools/benchmark.py --sweep); on a GPU, whole minibatches (0)
+    or, where they do not fit beside B, the largest power of 2 that does. Exits in one line if they exceed `free`."""
+    fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
+    buffer_bytes = math.prod(rows) * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
+    per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)  # `dual` runs both trunks in a step
+    largest = max(args.num_envs * args.num_steps // args.num_minibatches, args.aux_mb_trajectories * args.num_steps)
+    fits = int(max(free - buffer_bytes, 0) // per_state)  # the states whose activations fit beside B
+    chunk = args.micro_batch_size
+    if chunk is None and on_gpu:
+        chunk = 0 if fits >= largest else 2 ** max(fits.bit_length() - 1, 0)
+    elif chunk is None:
+        chunk = 256
+    states = min(chunk or largest, largest)
+    if states > fits:
+        gib = f"B {buffer_bytes / 2**30:.1f} GiB, chunks of {states} states {states * per_state / 2**30:.1f} GiB"
+        sys.exit(f"error: {gib}: over the {free / 2**30:.1f} GiB free: lower --n-pi, --num-envs or --micro-batch-size")
+    return chunk, buffer_bytes, states * per_state
+
+
 # ==== main(): the paper's Algorithm 1 =================================================================================
 def main(args: Args, given: Optional[set] = None) -> None:
     # ---- Setup: every flag checked and every count derived (and printed) before any env, buffer or log exists ----
@@ -506,20 +539,19 @@ def main(args: Args, given: Optional[set] = None) -> None:
     plan = make_plan(args, global_step, phase)
     num_iterations, batch_size = plan["num_iterations"], args.num_envs * args.num_steps
     iteration = global_step // batch_size
+    if ckpt and iteration >= num_iterations:  # nothing to train: no plan printed, nothing written
+        print(f"{run_dir} is trained to step {global_step:,}: nothing to do (a larger --total-timesteps trains on)")
+        return
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     # TF32 only when asked: PyTorch runs cuDNN convolutions in TF32 by default on recent GPUs
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
-    micro_batch_flag = args.micro_batch_size  # checkpointed as given: a resume on another device takes its default
-    if args.micro_batch_size is None:  # CPU: 256, among the fastest (tools/benchmark.py --sweep); GPU: unmeasured
-        args = dataclasses.replace(args, micro_batch_size=0 if device.type == "cuda" else 256)
     rows = (plan["trajectories"], args.num_steps)  # B: rows of whole trajectories, num_envs rows a rollout
-    fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
-    needed = math.prod(rows) * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
     meminfo = open("/proc/meminfo").read().split() if os.path.exists("/proc/meminfo") else ["MemAvailable:", "inf"]
     free = 1024 * float(meminfo[meminfo.index("MemAvailable:") + 1])  # RAM the kernel can give without swapping
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free
-    if needed > free:
-        sys.exit(f"error: B needs {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is free: lower --n-pi or --num-envs")
+    micro_batch_flag = args.micro_batch_size  # checkpointed as given: a resume on another device chooses anew
+    chunk, buffer_bytes, activation_bytes = memory_plan(args, rows, free, device.type == "cuda")
+    args = dataclasses.replace(args, micro_batch_size=chunk)
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = run_dir or f"runs/{run_name}"
     rounded = " (--total-timesteps rounded up to whole rollouts)" * (num_iterations * batch_size > args.total_timesteps)
@@ -529,10 +561,14 @@ def main(args: Args, given: Optional[set] = None) -> None:
         f"{num_iterations} of {args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps"
         f"{rounded}\narch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
         f"aux phases: {plan['aux_phases']}; PPO minibatch {batch_size // args.num_minibatches} states, aux minibatch "
-        f"{args.aux_mb_trajectories * args.num_steps}; buffers {needed / 2**30:.2f} GiB (uint8 frames)\nprecision "
-        f"{args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states; a checkpoint "
+        f"{args.aux_mb_trajectories * args.num_steps}; B {buffer_bytes / 2**30:.2f} GiB (uint8 frames)\nprecision "
+        f"{args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states "
+        f"({activation_bytes / 2**30:.2f} GiB of activations); a checkpoint "
         f"after each phase, the first at step {global_step + min(args.n_pi, num_iterations - iteration) * batch_size:,}"
     )
+    hours = (num_iterations - iteration) * batch_size / CPU_STEPS_PER_S / 3600
+    if device.type == "cpu" and hours > 3:  # a GPU's job: say so now, not at the first ETA minutes from now
+        print(f"note: on a CPU this takes about {hours:.0f} h ({CPU_STEPS_PER_S} env steps/s on 2 cores): a GPU's job")
 
     seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume: another stream (31 bits for the env)
     random.seed(seed)
@@ -548,8 +584,13 @@ def main(args: Args, given: Optional[set] = None) -> None:
         except Exception as e:  # not installed, not logged in, no network: the fix of each
             fix = "pip install wandb==0.31.0" if isinstance(e, ImportError) else "wandb login, or WANDB_MODE=offline"
             sys.exit(f"error: --track: {fix} ({type(e).__name__}: {e})"[:300])
+    try:  # a new run's folder, made exclusively: a run never writes into another's
+        os.makedirs(run_dir, exist_ok=bool(ckpt))
+    except FileExistsError:
+        sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
     # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
+    writer.add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # The env (training levels [start_level, start_level + num_levels)), the networks, the optimizers, the buffer B
     envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
@@ -625,6 +666,8 @@ def main(args: Args, given: Optional[set] = None) -> None:
             print(f"phase {phase} done in {seconds}; peak {'GPU ' * (device.type == 'cuda')}memory {peak:.2f} GiB")
 
             # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
+            for k, v in (aux_epochs[-1] if aux_epochs else {}).items():  # the aux phase's last epoch, on env steps
+                writer.add_scalar(f"aux_phase/{k}", v, global_step)
             writer.flush()  # what was logged up to it is on disk: a kill after it loses nothing of it
             state = {name: thing.state_dict() for name, thing in stateful.items()}
             state.update(script=SCRIPT, run_name=run_name, args=dict(vars(args), micro_batch_size=micro_batch_flag))
@@ -650,4 +693,15 @@ if __name__ == "__main__":
     # The flags named on the command line (--no-cuda names cuda), by our names: --resume tells them apart
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
     aliases = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
+    cleanrl = dict(  # CleanRL's flags that have no namesake here: what to use instead
+        capture_video="tools/evaluate.py --capture-video records a saved policy",
+        v_value="--e-v gives the value epochs a rollout",
+        vf_coef="the value network has its own loss, unweighted (as the released code)",
+        target_kl="the policy epochs never stop early; the aux phase has --aux-kl-stop",
+        clip_vloss="the value loss is unclipped, as in the paper",
+        n_aux_grad_accum="--micro-batch-size gives the same update in less memory",
+        adv_norm_fullbatch="advantages are always normalised over the whole rollout",
+    )
+    for name in sorted(given & cleanrl.keys()):
+        sys.exit(f"error: --{name.replace('_', '-')} is CleanRL's flag: here {cleanrl[name]}")
     main(tyro.cli(Args), {aliases.get(name, name) for name in given})
