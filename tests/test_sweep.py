@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -140,6 +141,39 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
     for (argv, needle), (message, _) in zip(cases, results):
         assert message is not None and message.startswith(needle) and "\n" not in message, (argv, message)
     assert not (tmp_path / "bad").exists() and not (tmp_path / "x").exists()  # nothing submitted, no folder made
+
+
+def test_flags_are_judged_as_the_script_parses_them(tmp_path):
+    """tyro takes --total_timesteps for --total-timesteps and --env_id for --env-id, and the later of two flags wins:
+    the budget given in either spelling is the one every run gets (the default is not added after it, where it would
+    win), and a grid flag in either spelling, after -- or in a method, stops the sweep in one line."""
+    import tyro
+
+    from conftest import load_script
+
+    budget = SWEEP_TINY.index("--total-timesteps")
+    tiny = [*SWEEP_TINY[:budget], *SWEEP_TINY[budget + 2 :]]
+    argv = ["--name", "x", "--dry-run", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "ppo"]
+    argvs = [
+        [*argv, "--", *tiny, "--total_timesteps", "2000000"],
+        [*argv, "--", *tiny, "--env_id", "coinrun"],
+        [*argv, "--", *tiny, "--exp_name=mine"],
+        [*argv, "--method", "ppo=--arch shared --env_id coinrun", "--", *tiny],
+    ]
+    (stop, printed), *refused = mains_in_one_process(tmp_path, argvs)
+    commands = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("start ")]
+    assert stop is None and len(commands) == 2, (stop, printed)
+    Args = load_script("ppg_procgen.py").Args
+    for command in commands:  # what each run's command gives the script, as the script parses it
+        assert tyro.cli(Args, args=shlex.split(command)[2:]).total_timesteps == 2_000_000, command
+    needles = [
+        "error: --env-id after --: the grid gives each run its own",
+        "error: --exp-name after --: the grid gives each run its own",
+        "error: --method ppo: --env-id is the grid's",
+    ]
+    for (message, _), needle in zip(refused, needles):
+        assert message is not None and message.startswith(needle) and "\n" not in message, message
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):

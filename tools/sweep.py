@@ -7,15 +7,16 @@
     python tools/sweep.py ... --dry-run            # the jobs, their folders and what each would do
 
 A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
-paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own
-flags win over them; the grid's own, --env-id, --seed and --exp-name, are refused there). Each run has a fixed
+paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own flags
+win over them; the grid's own, --env-id, --seed, --exp-name and --resume, are refused there). Flags are judged by what
+the script parses, as tyro does: --total_timesteps is --total-timesteps, and the later of two wins. Each run has a fixed
 folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
-runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
-is done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags); a folder without
-one is emptied and the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is
-done. Where a folder has a checkpoint, done or not, the command must describe that run: the budget may rise, but a
-training flag that differs from the checkpoint's, given or left at its default, stops the sweep in one line. Do not
-run the command again while its jobs still run (on SLURM: squeue): it would start each unfinished run a second time.
+runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps is
+done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags); a folder without one
+is emptied and the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is done.
+Where a folder has a checkpoint, done or not, the command must describe that run: the budget may rise, but a training
+flag that differs from the checkpoint's, given or left at its default, stops the sweep in one line. Do not run the
+command again while its jobs still run (on SLURM: squeue): it would start each unfinished run a second time.
 
 --cluster slurm submits every job and returns; a job that reaches its time limit, or that the cluster preempts with
 a signal, is requeued by submitit and resumes from its last phase checkpoint. --cluster local runs the jobs here and
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
 from helptext import DefaultsHelpFormatter  # noqa: E402
 
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
-GRID_FLAGS = ("--env-id", "--seed", "--exp-name")  # the grid's own: a run's folder is named by them
+GRID_FIX = "(use --games, --seeds or --methods; a run resumes from its folder by itself)"
 POLL_S = 0.5  # how often the local queue looks at its jobs
 
 
@@ -58,13 +59,18 @@ def load_script(path: pathlib.Path):
     return module
 
 
-def gives(flags: list, name: str) -> bool:
-    """Whether a command line gives the flag `name`, as `--name value` or as `--name=value`."""
-    return any(flag == name or flag.startswith(name + "=") for flag in flags)
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
-def checked_args(module, flags: list, what: str):
-    """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan; on
+def changed(args, expected: dict) -> list:
+    """The fields of the parsed Args whose values differ from the expected ones."""
+    return [field for field, value in expected.items() if getattr(args, field) != value]
+
+
+def checked_args(module, flags: list, what: str, plan: bool = True):
+    """The script's Args for these flags, as tyro parses them (every spelling: --total_timesteps is --total-timesteps,
+    and the later of two wins), or exit with one line: tyro's refusal or, with plan, the script's own (make_plan; on
     --resume, resume_args: a resumed run keeps the training flags of its checkpoint, and each training flag of the
     command, named or left at its default, must equal the checkpoint's: a sweep's command describes its runs whole)."""
     import tyro
@@ -73,9 +79,10 @@ def checked_args(module, flags: list, what: str):
     try:
         with contextlib.redirect_stderr(stderr):
             args = tyro.cli(module.Args, args=flags)
-            if args.resume:
+            if plan and args.resume:
                 args = module.resume_args(args, set(vars(args)))[0]
-        module.make_plan(args)
+            if plan:
+                module.make_plan(args)
     except SystemExit as e:
         lines = [line.strip("│╭╮╰╯─ ") for line in stderr.getvalue().splitlines()]
         reason = str(e.code) if isinstance(e.code, str) else " ".join(line for line in lines if line)[:300]
@@ -166,22 +173,25 @@ def plan_jobs(opts, common: list):
         opts.games = list(module.PROCGEN_GAMES)  # the paper's 16
     if hasattr(module, "PROCGEN_GAMES") and (unknown := [g for g in opts.games if g not in module.PROCGEN_GAMES]):
         sys.exit(f"error: --games: {unknown} are not Procgen games ({', '.join(module.PROCGEN_GAMES)})")
-    for name in GRID_FLAGS:
-        if gives(common, name):
-            sys.exit(f"error: {name} after --: the grid gives each run its own (use --games, --seeds or --methods)")
-    for method in opts.methods:
-        for name in GRID_FLAGS:
-            if gives(shlex.split(methods[method]), name):
-                sys.exit(f"error: --method {method}: {name} is the grid's (use --games, --seeds or --methods)")
-    if not gives(common, "--total-timesteps"):  # the budget in every run's command, so that a resume keeps it
-        common = [*common, "--total-timesteps", str(module.Args().total_timesteps)]
+    # The flags are judged by what the script parses from them, not by their spelling: tyro takes --env_id for
+    # --env-id, and the later of two flags wins, so a spelling check misses what a run would really get.
+    default_budget = module.Args().total_timesteps
     jobs = []
     for game in opts.games:
         for method in opts.methods:
             what = f"{game} {method}"
             for seed in opts.seeds:
-                flags = ["--env-id", game, "--seed", str(seed), "--exp-name", method, *common]
-                flags += shlex.split(methods[method])  # last: a method's own flags win over the common ones
+                grid = ["--env-id", game, "--seed", str(seed), "--exp-name", method]
+                # the grid's own: they name the run's folder, and each start of a job resumes the run in it by itself
+                own = dict(env_id=game, seed=seed, exp_name=method, resume=None)
+                given = checked_args(module, [*grid, *common], what, plan=False)
+                if bad := changed(given, own):
+                    sys.exit(f"error: {flag(bad[0])} after --: the grid gives each run its own {GRID_FIX}")
+                # the budget in every run's command, so that a resume keeps it (the default, where none is given)
+                budget = [] if given.total_timesteps != default_budget else ["--total-timesteps", str(default_budget)]
+                flags = [*grid, *common, *budget, *shlex.split(methods[method])]  # a method's own flags last: they win
+                if bad := changed(checked_args(module, flags, what, plan=False), own):
+                    sys.exit(f"error: --method {method}: {flag(bad[0])} is the grid's {GRID_FIX}")
                 args = checked_args(module, flags, what)
                 folder = (pathlib.Path(opts.root) / opts.name / f"{game.replace('/', '-')}__{method}__{seed}").resolve()
                 run, _ = last_checkpoint(folder)
