@@ -176,6 +176,25 @@ def test_flags_are_judged_as_the_script_parses_them(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_method_defined_is_run_or_refused(tmp_path):
+    """--method eaux2="--e-aux 2", as docs/sweeps.md gives it, adds a method that runs beside the built-in ones where
+    --methods is left out; where --methods leaves it out, or it is defined twice, the sweep stops in one line."""
+    argv = ["--name", "x", "--dry-run", "--games", "dodgeball", "--seeds", "1"]
+    argvs = [
+        [*argv, "--method", "eaux2=--e-aux 2", "--", *SWEEP_TINY],
+        [*argv, "--method", "eaux2=--e-aux 2", "--methods", "ppg", "--", *SWEEP_TINY],
+        [*argv, "--method", "eaux2=--e-aux 2", "--method", "eaux2=--e-aux 3", "--", *SWEEP_TINY],
+    ]
+    (stop, printed), (left_out, _), (twice, _) = mains_in_one_process(tmp_path, argvs)
+    assert stop is None and "3 runs, 0 done, 3 to run" in printed, (stop, printed)
+    started = sorted(re.findall(r"^start +\S+/(dodgeball__\S+__1):", printed, re.M))
+    assert started == ["dodgeball__eaux2__1", "dodgeball__ppg__1", "dodgeball__ppo__1"], printed
+    assert re.search(r"--exp-name eaux2 .* --e-aux 2$", printed, re.M), printed  # its flags, last
+    assert left_out == "error: --method eaux2: defined but not run: add it to --methods, or leave --methods out"
+    assert twice == "error: --method eaux2: defined twice"
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):
     """A run with a checkpoint resumes with the flags it started with (the budget raised): the script keeps a resumed
     run's training flags, so one changed since its start stops the sweep in one line, before anything is submitted,

@@ -7,16 +7,17 @@
     python tools/sweep.py ... --dry-run            # the jobs, their folders and what each would do
 
 A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
-paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own flags
-win over them; the grid's own, --env-id, --seed, --exp-name and --resume, are refused there). Flags are judged by what
-the script parses, as tyro does: --total_timesteps is --total-timesteps, and the later of two wins. Each run has a fixed
-folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
-runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps is
-done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags); a folder without one
-is emptied and the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is done.
-Where a folder has a checkpoint, done or not, the command must describe that run: the budget may rise, but a training
-flag that differs from the checkpoint's, given or left at its default, stops the sweep in one line. Do not run the
-command again while its jobs still run (on SLURM: squeue): it would start each unfinished run a second time.
+paper's baseline) are built in; `--method NAME="FLAGS"` adds one, and runs it: --methods, where given, must name it.
+Flags after `--` go to every run (a method's own flags win over them; the grid's own, --env-id, --seed, --exp-name and
+--resume, are refused there). Flags are judged by what the script parses, as tyro does: --total_timesteps is
+--total-timesteps, and the later of two wins. Each run has a fixed folder, runs/<name>/<game>__<method>__<seed>, and
+runs in it as its working directory (the script writes its runs/<run_name>/ there). Each start of a job looks at that
+folder: a run whose checkpoint reached the planned steps is done and starts nothing; a run with a checkpoint resumes
+from it (`--resume` with the same flags); a folder without one is emptied and the run starts afresh. So the same
+command, run again, finishes what was stopped and leaves what is done. Where a folder has a checkpoint, done or not, the
+command must describe that run: the budget may rise, but a training flag that differs from the checkpoint's, given or
+left at its default, stops the sweep in one line. Do not run the command again while its jobs still run (on SLURM:
+squeue): it would start each unfinished run a second time.
 
 --cluster slurm submits every job and returns; a job that reaches its time limit, or that the cluster preempts with
 a signal, is requeued by submitit and resumes from its last phase checkpoint. --cluster local runs the jobs here and
@@ -156,14 +157,21 @@ def plan_jobs(opts, common: list):
     """Every (game, method, seed) as (folder, flags, planned steps), each checked against the script."""
     script = ROOT / opts.script
     module = load_script(script)
-    methods = dict(METHODS)
+    methods, defined = dict(METHODS), []
     for item in opts.method:
         if "=" not in item:
             sys.exit(f'error: --method {item!r}: give it as NAME="FLAGS"')
         name, flags = item.split("=", 1)
         if "__" in name or "/" in name:  # the run's folder is <game>__<method>__<seed>
             sys.exit(f"error: --method {item!r}: a name without '__' or '/' (it names the runs' folders)")
+        if name in defined:  # the later would silently replace the earlier
+            sys.exit(f"error: --method {name}: defined twice")
+        defined.append(name)
         methods[name] = flags
+    if opts.methods is None:  # the built-in ones and every method defined: a method defined is one to run
+        opts.methods = [*METHODS, *[name for name in defined if name not in METHODS]]
+    elif left_out := [name for name in defined if name not in opts.methods]:
+        sys.exit(f"error: --method {left_out[0]}: defined but not run: add it to --methods, or leave --methods out")
     for name in ("games", "seeds", "methods"):  # one folder a run: a value given twice would run two jobs in one folder
         if twice := sorted({str(v) for v in getattr(opts, name) if getattr(opts, name).count(v) > 1}):
             sys.exit(f"error: --{name}: {', '.join(twice)} given twice")
@@ -271,8 +279,15 @@ def main(argv=None) -> None:
         "--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games"
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="each run's --seed")
-    parser.add_argument("--methods", nargs="+", default=["ppg", "ppo"], help="built in: ppg, ppo; more by --method")
-    parser.add_argument("--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="the methods to run (default: ppg, ppo and each one --method defines); built in: ppg, ppo",
+    )
+    parser.add_argument(
+        "--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method (and run it)"
+    )
     parser.add_argument("--root", default="runs", help="where the sweep's folder goes")
     parser.add_argument("--cluster", choices=("local", "slurm"), default="local", help="where the jobs run")
     parser.add_argument("--jobs", type=int, default=1, help="local, without GPUs: jobs at once")
