@@ -7,12 +7,14 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 import types
 
+import pytest
 import torch
 
 from conftest import PATIENCE_S, ROOT, SWEEP_GAMES, SWEEP_TINY, sweep
@@ -110,7 +112,7 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
             ["--games", "dodgeball", "--", "--num-minibatches", "7"],
             "error: dodgeball ppg: --num-minibatches 7 does not",
         ),
-        (["--games", "dodgeball", "--", "--arch", "triple"], "error: dodgeball ppg: "),
+        (["--games", "dodgeball", "--", "--arch", "triple"], "error: flags after --: "),
         (
             ["--games", "dodgeball", "--method", "mine=--e-aux -1", "--methods", "mine"],
             "error: dodgeball mine: --e-aux",
@@ -140,6 +142,186 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
     for (argv, needle), (message, _) in zip(cases, results):
         assert message is not None and message.startswith(needle) and "\n" not in message, (argv, message)
     assert not (tmp_path / "bad").exists() and not (tmp_path / "x").exists()  # nothing submitted, no folder made
+
+
+def test_flags_are_judged_as_the_script_parses_them(tmp_path):
+    """tyro takes --total_timesteps for --total-timesteps and --env_id for --env-id, and the later of two flags wins:
+    the budget given in either spelling is the one every run gets (the default is not added after it, where it would
+    win), and a grid flag in either spelling, after -- or in a method, stops the sweep in one line."""
+    import tyro
+
+    from conftest import load_script
+
+    budget = SWEEP_TINY.index("--total-timesteps")
+    tiny = [*SWEEP_TINY[:budget], *SWEEP_TINY[budget + 2 :]]
+    argv = ["--name", "x", "--dry-run", "--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "ppo"]
+    argvs = [
+        [*argv, "--", *tiny, "--total_timesteps", "2000000"],
+        [*argv, "--", *tiny, "--env_id", "coinrun"],
+        [*argv, "--", *tiny, "--exp_name=mine"],
+        [*argv, "--method", "ppo=--arch shared --env_id coinrun", "--", *tiny],
+    ]
+    (stop, printed), *refused = mains_in_one_process(tmp_path, argvs)
+    commands = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("start ")]
+    assert stop is None and len(commands) == 2, (stop, printed)
+    Args = load_script("ppg_procgen.py").Args
+    for command in commands:  # what each run's command gives the script, as the script parses it
+        assert tyro.cli(Args, args=shlex.split(command)[2:]).total_timesteps == 2_000_000, command
+    needles = [
+        "error: --env-id after --: the grid gives each run its own",
+        "error: --exp-name after --: the grid gives each run its own",
+        "error: --method ppo: --env-id is the grid's",
+    ]
+    for (message, _), needle in zip(refused, needles):
+        assert message is not None and message.startswith(needle) and "\n" not in message, message
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_method_defined_is_run_or_refused(tmp_path):
+    """--method eaux2="--e-aux 2", as docs/sweeps.md gives it, adds a method that runs beside the built-in ones where
+    --methods is left out; where --methods leaves it out, or it is defined twice, the sweep stops in one line."""
+    argv = ["--name", "x", "--dry-run", "--games", "dodgeball", "--seeds", "1"]
+    argvs = [
+        [*argv, "--method", "eaux2=--e-aux 2", "--", *SWEEP_TINY],
+        [*argv, "--method", "eaux2=--e-aux 2", "--methods", "ppg", "--", *SWEEP_TINY],
+        [*argv, "--method", "eaux2=--e-aux 2", "--method", "eaux2=--e-aux 3", "--", *SWEEP_TINY],
+    ]
+    (stop, printed), (left_out, _), (twice, _) = mains_in_one_process(tmp_path, argvs)
+    assert stop is None and "3 runs, 0 done, 3 to run" in printed, (stop, printed)
+    started = sorted(re.findall(r"^start +\S+/(dodgeball__\S+__1):", printed, re.M))
+    assert started == ["dodgeball__eaux2__1", "dodgeball__ppg__1", "dodgeball__ppo__1"], printed
+    assert re.search(r"--exp-name eaux2 .* --e-aux 2$", printed, re.M), printed  # its flags, last
+    assert left_out == "error: --method eaux2: defined but not run: add it to --methods, or leave --methods out"
+    assert twice == "error: --method eaux2: defined twice"
+    assert not (tmp_path / "x").exists()
+
+
+# The released README's seven experiments, read from it by hand: each variant's flags as ours (its --n_epoch_pi is
+# --e-pi, --n_epoch_vf --e-v, --n_aux_epochs --e-aux, --clip_param --clip-coef), and the runs of each (results/<folder>:
+# ppg-run0..2, 3 seeds; e-pi-N, 1 run a value)
+RELEASED = {
+    "ppg": {"ppg": {}},
+    "ppo": {"ppo": dict(arch="shared", e_aux=0, e_pi=3, e_v=3)},
+    "ppgkl": {"ppgkl": dict(clip_coef=0.0, kl_penalty=1.0)},
+    "ppg-single-network": {"ppgsingle": dict(arch="detach")},
+    "e-pi": {f"e-pi-{n}": dict(e_pi=n) for n in (1, 2, 3, 4, 5, 6)},
+    "e-aux": {f"e-aux-{n}": dict(e_aux=n) for n in (1, 2, 3, 6, 9)},
+    "n-pi": {f"n-pi-{n}": dict(n_pi=n) for n in (2, 4, 8, 16, 32)},
+}
+RELEASED_SEEDS = {
+    name: [1, 2, 3] if name in ("ppg", "ppo", "ppgkl", "ppg-single-network") else [1] for name in RELEASED
+}
+# The paper's protocol, as every released run has it (the released code's 4 workers x 64 envs in one process), and no
+# KL guard (the released code has none)
+PROTOCOL = dict(distribution_mode="hard", num_envs=256, aux_mb_trajectories=16, total_timesteps=100_000_000)
+PROTOCOL.update(aux_kl_stop=0.0)
+
+
+def test_each_released_experiment_is_one_command(tmp_path):
+    """--experiment NAME runs the released README's experiment NAME: each of the 16 games with each variant (a method
+    with its flags) and the released run count, in <root>/NAME/<game>__<variant>__<seed>, each run's command parsed by
+    the script to the paper's protocol, the variant's flags and every other flag at its default. Flags after -- may
+    change where a run trains, not what it learns; what conflicts with an experiment stops it in one line."""
+    import tyro
+
+    from conftest import load_script
+
+    script = load_script("ppg_procgen.py")
+    defaults = vars(script.Args())
+    allowed = ["--experiment", "ppg", "--name", "mine", "--", "--no-cuda", "--micro_batch_size", "64", "--num-envs=256"]
+    refused = [
+        (["--experiment", "ppx"], "error: --experiment ppx: unknown; known: ppg, ppo, ppgkl, ppg-single-network, e-pi"),
+        (["--experiment", "ppg", "--games", "bigfish"], "error: --games with --experiment: an experiment runs the"),
+        (["--experiment", "ppg", "--seeds", "1"], "error: --seeds with --experiment: "),
+        (["--experiment", "ppg", "--methods", "ppg"], "error: --methods with --experiment: "),
+        (["--experiment", "e-aux", "--method", "x=--e-aux 4"], "error: --method with --experiment: "),
+        (["--experiment", "ppg", "--", "--env_id", "coinrun"], "error: --env-id after --: experiment ppg gives each"),
+        (
+            ["--experiment", "ppg", "--", "--total_timesteps", "2000000"],
+            "error: --experiment ppg: --total-timesteps 2000000 after -- changes its runs (the paper's protocol sets "
+            "--total-timesteps 100000000); after -- it takes only --cuda, --micro-batch-size,",
+        ),
+        (
+            ["--experiment", "e-pi", "--", "--e_pi", "5"],
+            "error: --experiment e-pi: --e-pi 5 after -- changes its runs (variant e-pi-1 sets --e-pi 1)",
+        ),
+        (
+            ["--experiment", "ppo", "--", "--e-auxiliary", "2"],  # CleanRL's name of --e-aux
+            "error: --experiment ppo: --e-aux 2 after -- changes its runs (variant ppo sets --e-aux 0)",
+        ),
+        (
+            ["--experiment", "ppg", "--", "--aux-kl-stop", "0.01"],
+            "error: --experiment ppg: --aux-kl-stop 0.01 after -- changes its runs (its runs have --aux-kl-stop 0.0)",
+        ),
+    ]
+    argvs = [["--experiment", name] for name in RELEASED] + [allowed] + [argv for argv, _ in refused]
+    results = mains_in_one_process(tmp_path, [["--dry-run", *argv] for argv in argvs])
+    for (name, variants), (stop, printed) in zip([*RELEASED.items(), ("mine", RELEASED["ppg"])], results):
+        seeds = RELEASED_SEEDS.get(name, [1, 2, 3])
+        runs = len(script.PROCGEN_GAMES) * len(variants) * len(seeds)
+        assert stop is None and f"\n{runs} runs, 0 done, {runs} to run\n" in printed, (name, stop, printed[-500:])
+        started = dict(line.split(": ", 1) for line in printed.splitlines() if line.startswith("start "))
+        folders = {f"{tmp_path / name}/{g}__{v}__{s}" for g in script.PROCGEN_GAMES for v in variants for s in seeds}
+        assert {folder.split()[-1] for folder in started} == folders, name
+        parsed = {}  # the flags after the grid's, of each variant: one parse each (a parse takes tens of ms)
+        for folder, command in started.items():
+            game, variant, seed = pathlib.Path(folder.split()[-1]).name.split("__")
+            flags = shlex.split(command)[2:]
+            assert flags[:6] == ["--env-id", game, "--seed", seed, "--exp-name", variant], command
+            names = {flag[2:].split("=")[0].replace("_", "-") for flag in flags[6:] if flag.startswith("--")}
+            assert not names & {"env-id", "seed", "exp-name", "resume"}, command  # only the grid's give them
+            if tuple(flags[6:]) not in parsed:  # as the script parses the command
+                parsed[tuple(flags[6:])] = vars(tyro.cli(script.Args, args=flags))
+            args = dict(parsed[tuple(flags[6:])], env_id=game, seed=int(seed), exp_name=variant)
+            expected = dict(defaults, **PROTOCOL, **variants[variant], env_id=game, seed=int(seed), exp_name=variant)
+            if name == "mine":  # flags after -- that change where and how a run trains, not what it learns
+                expected.update(cuda=False, micro_batch_size=64)
+            assert args == expected, (folder, command)
+    for (argv, needle), (stop, _) in zip(refused, results[len(RELEASED) + 1 :]):
+        assert stop is not None and stop.startswith(needle) and "\n" not in stop, (argv, stop)
+    assert not list(tmp_path.iterdir())  # dry runs and refusals: no folder made
+
+
+def test_the_experiments_table_is_the_released_readme(monkeypatch):
+    """tools/experiments.py against the released code itself: each experiment of its README (the train command's flags,
+    by our names; the graph's --experiment_name, hyphenated, is ours) has the same variants, and the released results
+    folders it names are those of the README's results/<name>-runN or <name>-N, one per run of each variant."""
+    import tyro
+
+    from conftest import load_script
+    from released_shims import released_root
+
+    root, why_not = released_root()
+    if root is None:
+        pytest.skip(why_not)
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    from experiments import EXPERIMENTS
+
+    ours = {"--n_epoch_pi": "--e-pi", "--n_epoch_vf": "--e-v", "--n_aux_epochs": "--e-aux", "--n_pi": "--n-pi"}
+    ours.update({"--clip_param": "--clip-coef", "--kl_penalty": "--kl-penalty", "--arch": "--arch"})
+    Args = load_script("ppg_procgen.py").Args
+    results = root / "phasic_policy_gradient" / "results"
+    pattern = r"\(results/([\w-]+?)(runN|N)\):\s*```\s*mpiexec -np 4 python -m phasic_policy_gradient\.train(.*)\n"
+    pattern += r"python -m phasic_policy_gradient\.graph --experiment_name (\w+)"
+    found = re.findall(pattern, (root / "README.md").read_text())
+    assert len(found) == 7 and sorted(name.replace("_", "-") for *_, name in found) == sorted(EXPERIMENTS)
+    for prefix, runs, flags, name in found:
+        experiment = EXPERIMENTS[name.replace("_", "-")]
+        flags = [ours.get(token, token) for token in flags.split()]
+        folders = sorted(p.name for p in results.glob(f"{prefix}*") if p.is_dir())
+        if runs == "runN":  # one variant, a folder a run
+            values, released = [None], {prefix.removesuffix("-"): folders}
+        else:  # a variant a value N, one run each
+            values = sorted(int(folder.removeprefix(prefix)) for folder in folders)
+            released = {f"{prefix}{n}": [f"{prefix}{n}"] for n in values}
+        assert experiment["released"] == released and set(experiment["variants"]) == set(released), name
+        for value, variant in zip(values, released):
+            given = [str(value) if token == "N" else token for token in flags]
+            mine = shlex.split(experiment["variants"][variant])
+            assert tyro.cli(Args, args=mine) == tyro.cli(Args, args=given), (name, variant)
+            assert len(experiment["seeds"]) == len(released[variant]) and len(released[variant]) in (1, 3), variant
+            for folder in released[variant]:
+                assert len(list((results / folder).glob("progress-*.csv"))) == 16, folder
 
 
 def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):

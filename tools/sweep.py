@@ -1,21 +1,28 @@
-"""Many runs: a grid of games x seeds x methods, one submitit job a run, on SLURM or on this machine.
+"""Many runs: a released experiment, or a grid of games x seeds x methods; one submitit job a run, on SLURM or here.
 
-    python tools/sweep.py --name paper --games bigfish starpilot --seeds 1 2 3 --methods ppg ppo \\
-        --cluster slurm --partition gpu --gpus-per-job 1 --cpus-per-job 8 --time-min 1440 \\
-        -- --distribution-mode hard --num-envs 256 --aux-mb-trajectories 16 --total-timesteps 100000000
+    python tools/sweep.py --experiment ppg --cluster slurm --partition gpu --gpus-per-job 1 --cpus-per-job 8 \\
+        --time-min 1440                            # the released PPG runs: 16 hard-mode games x 3 seeds at 100M steps
+    python tools/sweep.py --experiment e-aux --dry-run   # the jobs, their folders and what each would do
     python tools/sweep.py --name small --games bigfish --seeds 1 2 --cluster local --jobs 2 -- --total-timesteps 2000000
-    python tools/sweep.py ... --dry-run            # the jobs, their folders and what each would do
+
+An experiment is one of the seven that the released code's README reproduces (tools/experiments.py: ppg, ppo, ppgkl,
+ppg-single-network, e-pi, e-aux, n-pi). --experiment NAME runs its variants as the sweep's methods, on the 16 games,
+with its released run count (3 seeds, or 1 a value), at the paper's protocol (experiments.PAPER_PROTOCOL) and the
+script's defaults otherwise, in runs/NAME/ (or --name's). --games, --seeds, --methods, --method and --script are the
+experiment's; after `--` it takes only flags that change no training flag (MACHINE_FIELDS).
 
 A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
-paper's baseline) are built in; `--method NAME="FLAGS"` adds one. Flags after `--` go to every run (a method's own
-flags win over them; the grid's own, --env-id, --seed and --exp-name, are refused there). Each run has a fixed
-folder, runs/<name>/<game>__<method>__<seed>, and runs in it as its working directory (the script writes its
-runs/<run_name>/ there). Each start of a job looks at that folder: a run whose checkpoint reached the planned steps
-is done and starts nothing; a run with a checkpoint resumes from it (`--resume` with the same flags); a folder without
-one is emptied and the run starts afresh. So the same command, run again, finishes what was stopped and leaves what is
-done. Where a folder has a checkpoint, done or not, the command must describe that run: the budget may rise, but a
-training flag that differs from the checkpoint's, given or left at its default, stops the sweep in one line. Do not
-run the command again while its jobs still run (on SLURM: squeue): it would start each unfinished run a second time.
+paper's baseline) are built in; `--method NAME="FLAGS"` adds one, and runs it: --methods, where given, must name it.
+Flags after `--` go to every run (a method's own flags win over them; the grid's own, --env-id, --seed, --exp-name and
+--resume, are refused there). Flags are judged by what the script parses, as tyro does: --total_timesteps is
+--total-timesteps, and the later of two wins. Each run has a fixed folder, runs/<name>/<game>__<method>__<seed>, and
+runs in it as its working directory (the script writes its runs/<run_name>/ there). Each start of a job looks at that
+folder: a run whose checkpoint reached the planned steps is done and starts nothing; a run with a checkpoint resumes
+from it (`--resume` with the same flags); a folder without one is emptied and the run starts afresh. So the same
+command, run again, finishes what was stopped and leaves what is done. Where a folder has a checkpoint, done or not, the
+command must describe that run: the budget may rise, but a training flag that differs from the checkpoint's, given or
+left at its default, stops the sweep in one line. Do not run the command again while its jobs still run (on SLURM:
+squeue): it would start each unfinished run a second time.
 
 --cluster slurm submits every job and returns; a job that reaches its time limit, or that the cluster preempts with
 a signal, is requeued by submitit and resumes from its last phase checkpoint. --cluster local runs the jobs here and
@@ -26,6 +33,7 @@ Every flag is checked against the script before any job is submitted: a bad one 
 
 import argparse
 import contextlib
+import dataclasses
 import glob
 import importlib.util
 import io
@@ -43,10 +51,17 @@ import submitit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from experiments import EXPERIMENTS, PAPER_PROTOCOL  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
-GRID_FLAGS = ("--env-id", "--seed", "--exp-name")  # the grid's own: a run's folder is named by them
+# What flags after -- may change in an experiment's runs: what the script lets a resume change too (resume_args), as
+# none changes what a run learns: where it trains, the chunks of its minibatches (the same update) and what it saves
+MACHINE_FIELDS = ("cuda", "micro_batch_size", "save_model", "track", "wandb_project_name", "wandb_entity")
+# The grid's own: the first three name a run's folder, and each start of a job resumes the run in it by itself
+GRID_FIELDS = ("env_id", "seed", "exp_name", "resume")
+GRID_FIX = "(use --games, --seeds or --methods; a run resumes from its folder by itself)"
+RELEASED_FIX = "(the released runs' game, seed and name; a run resumes from its folder by itself)"
 POLL_S = 0.5  # how often the local queue looks at its jobs
 
 
@@ -58,29 +73,58 @@ def load_script(path: pathlib.Path):
     return module
 
 
-def gives(flags: list, name: str) -> bool:
-    """Whether a command line gives the flag `name`, as `--name value` or as `--name=value`."""
-    return any(flag == name or flag.startswith(name + "=") for flag in flags)
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
-def checked_args(module, flags: list, what: str):
-    """The script's Args for these flags, or exit with one line: tyro's refusal or the script's own (make_plan; on
-    --resume, resume_args: a resumed run keeps the training flags of its checkpoint, and each training flag of the
-    command, named or left at its default, must equal the checkpoint's: a sweep's command describes its runs whole)."""
-    import tyro
+def flag_text(field: str, value) -> str:
+    """A parsed value as the flag that gives it."""
+    if isinstance(value, bool):
+        return flag(field) if value else flag(f"no_{field}")
+    return f"{flag(field)} {value}"
 
+
+def one_line(what: str, call):
+    """call()'s result, or exit with one line: tyro's refusal or the script's own, after `what`."""
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            args = tyro.cli(module.Args, args=flags)
-            if args.resume:
-                args = module.resume_args(args, set(vars(args)))[0]
-        module.make_plan(args)
+            return call()
     except SystemExit as e:
         lines = [line.strip("│╭╮╰╯─ ") for line in stderr.getvalue().splitlines()]
         reason = str(e.code) if isinstance(e.code, str) else " ".join(line for line in lines if line)[:300]
         sys.exit(f"error: {what}: {reason.removeprefix('error: ')}")
-    return args
+
+
+def parsed_args(module, flags: list, what: str):
+    """The script's Args for these flags as its parser, tyro, reads them: in every spelling it takes (--total_timesteps
+    is --total-timesteps, --seed=5 is --seed 5), the later of two flags winning. Flags are judged by these, not by how
+    they are spelled."""
+    import tyro
+
+    return one_line(what, lambda: tyro.cli(module.Args, args=flags))
+
+
+def checked_args(module, args, what: str):
+    """A run's Args as the script itself checks them (make_plan; on --resume, resume_args: a resumed run keeps the
+    training flags of its checkpoint, and each training flag of the command, named or left at its default, must equal
+    the checkpoint's: a sweep's command describes its runs whole), or exit with the script's refusal in one line."""
+
+    def check():
+        run_args = module.resume_args(args, set(vars(args)))[0] if args.resume else args
+        module.make_plan(run_args)
+        return run_args
+
+    return one_line(what, check)
+
+
+def grid_fields_set(module, flags: list, what: str) -> list:
+    """The grid's own fields that these flags set, in whatever spelling: parsed after two probes that differ in each of
+    those fields, a field the flags set comes out the same after both."""
+    games = getattr(module, "PROCGEN_GAMES", ("PongNoFrameskip-v4", "BreakoutNoFrameskip-v4"))
+    probes = [["--env-id", games[i], "--seed", str(i), "--exp-name", f"p{i}", "--resume", f"p{i}"] for i in (0, 1)]
+    first, second = (parsed_args(module, [*probe, *flags], what) for probe in probes)
+    return [field for field in GRID_FIELDS if getattr(first, field) == getattr(second, field)]
 
 
 def planned_steps(module, args) -> int:
@@ -145,18 +189,40 @@ class TrainRun(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(TrainRun(), *args, **kwargs)
 
 
-def plan_jobs(opts, common: list):
-    """Every (game, method, seed) as (folder, flags, planned steps), each checked against the script."""
-    script = ROOT / opts.script
-    module = load_script(script)
-    methods = dict(METHODS)
+def fields_of(flags: str) -> set:
+    """The fields an experiment's own flags set (written by us as `--name value`: their spelling is known)."""
+    return {token[2:].replace("-", "_") for token in shlex.split(flags) if token.startswith("--")}
+
+
+def define_methods(opts) -> dict:
+    """name -> flags of the methods to run; opts.methods, opts.seeds and opts.games as the sweep runs them."""
+    if opts.experiment is not None:  # the released runs: its variants, its seeds, the 16 games
+        experiment = EXPERIMENTS[opts.experiment]
+        opts.methods, opts.seeds, opts.games = list(experiment["variants"]), list(experiment["seeds"]), ["all"]
+        return dict(experiment["variants"])
+    methods, defined = dict(METHODS), []
     for item in opts.method:
         if "=" not in item:
             sys.exit(f'error: --method {item!r}: give it as NAME="FLAGS"')
         name, flags = item.split("=", 1)
         if "__" in name or "/" in name:  # the run's folder is <game>__<method>__<seed>
             sys.exit(f"error: --method {item!r}: a name without '__' or '/' (it names the runs' folders)")
+        if name in defined:  # the later would silently replace the earlier
+            sys.exit(f"error: --method {name}: defined twice")
+        defined.append(name)
         methods[name] = flags
+    if opts.methods is None:  # the built-in ones and every method defined: a method defined is one to run
+        opts.methods = [*METHODS, *[name for name in defined if name not in METHODS]]
+    elif left_out := [name for name in defined if name not in opts.methods]:
+        sys.exit(f"error: --method {left_out[0]}: defined but not run: add it to --methods, or leave --methods out")
+    return methods
+
+
+def plan_jobs(opts, common: list):
+    """Every (game, method, seed) as (folder, flags, planned steps), each checked against the script."""
+    script = ROOT / opts.script
+    module = load_script(script)
+    methods = define_methods(opts)
     for name in ("games", "seeds", "methods"):  # one folder a run: a value given twice would run two jobs in one folder
         if twice := sorted({str(v) for v in getattr(opts, name) if getattr(opts, name).count(v) > 1}):
             sys.exit(f"error: --{name}: {', '.join(twice)} given twice")
@@ -166,31 +232,65 @@ def plan_jobs(opts, common: list):
         opts.games = list(module.PROCGEN_GAMES)  # the paper's 16
     if hasattr(module, "PROCGEN_GAMES") and (unknown := [g for g in opts.games if g not in module.PROCGEN_GAMES]):
         sys.exit(f"error: --games: {unknown} are not Procgen games ({', '.join(module.PROCGEN_GAMES)})")
-    for name in GRID_FLAGS:
-        if gives(common, name):
-            sys.exit(f"error: {name} after --: the grid gives each run its own (use --games, --seeds or --methods)")
+    protocol = shlex.split(PAPER_PROTOCOL) if opts.experiment else []
+    if bad := grid_fields_set(module, common, "flags after --"):
+        if opts.experiment:
+            sys.exit(
+                f"error: {flag(bad[0])} after --: experiment {opts.experiment} gives each run its own {RELEASED_FIX}"
+            )
+        sys.exit(f"error: {flag(bad[0])} after --: the grid gives each run its own {GRID_FIX}")
+    # the budget in every run's command, so that a resume keeps it: the script's default where the flags leave it there
+    default_budget = module.Args().total_timesteps
+    given = parsed_args(module, [*protocol, *common], "flags after --")
+    budget = [] if given.total_timesteps != default_budget else ["--total-timesteps", str(default_budget)]
+    rest, parsed = {}, {}  # a method's flags but the grid's, and what the script parses from them
     for method in opts.methods:
-        for name in GRID_FLAGS:
-            if gives(shlex.split(methods[method]), name):
-                sys.exit(f"error: --method {method}: {name} is the grid's (use --games, --seeds or --methods)")
-    if not gives(common, "--total-timesteps"):  # the budget in every run's command, so that a resume keeps it
-        common = [*common, "--total-timesteps", str(module.Args().total_timesteps)]
+        own = shlex.split(methods[method])
+        if bad := grid_fields_set(module, own, f"--method {method}"):
+            sys.exit(f"error: --method {method}: {flag(bad[0])} is the grid's {GRID_FIX}")
+        # a sweep's method's own flags last: they win; an experiment's flags after -- last: what they change shows
+        rest[method] = [*protocol, *own, *common] if opts.experiment else [*common, *budget, *own]
+        parsed[method] = parsed_args(module, rest[method], f"--method {method}")
+        if opts.experiment:
+            check_experiment(module, opts.experiment, method, parsed[method])
     jobs = []
     for game in opts.games:
         for method in opts.methods:
-            what = f"{game} {method}"
             for seed in opts.seeds:
-                flags = ["--env-id", game, "--seed", str(seed), "--exp-name", method, *common]
-                flags += shlex.split(methods[method])  # last: a method's own flags win over the common ones
-                args = checked_args(module, flags, what)
+                flags = ["--env-id", game, "--seed", str(seed), "--exp-name", method, *rest[method]]
+                # what the script parses from flags: no other flag sets the grid's fields (checked above)
+                args = dataclasses.replace(parsed[method], env_id=game, seed=seed, exp_name=method)
+                checked_args(module, args, f"{game} {method}")
                 folder = (pathlib.Path(opts.root) / opts.name / f"{game.replace('/', '-')}__{method}__{seed}").resolve()
                 run, _ = last_checkpoint(folder)
                 if run is not None:  # done or to resume: the run in the folder must be the one these flags describe
                     resumed = f"{folder.name} has a checkpoint (change no training flag, or use a new --name)"
-                    checked_args(module, ["--resume", str(run), *flags], resumed)
+                    checked_args(module, dataclasses.replace(args, resume=str(run)), resumed)
                 total = planned_steps(module, args)
                 jobs.append((folder, flags, total))
     return str(script), jobs
+
+
+def check_experiment(module, name: str, variant: str, args) -> None:
+    """Exit with one line where the flags after -- change a field of an experiment's runs that is not one of
+    MACHINE_FIELDS: the paper's protocol, the variant's own flags, or any other training flag."""
+    flags = EXPERIMENTS[name]["variants"][variant]
+    released = parsed_args(module, [*shlex.split(PAPER_PROTOCOL), *shlex.split(flags)], f"--experiment {name}")
+    bad = [field for field in vars(args) if getattr(args, field) != getattr(released, field)]
+    if not (bad := [field for field in bad if field not in MACHINE_FIELDS]):
+        return
+    field, value = bad[0], getattr(released, bad[0])
+    if field in fields_of(flags):
+        whose = f"variant {variant} sets {flag_text(field, value)}"
+    elif field in fields_of(PAPER_PROTOCOL):
+        whose = f"the paper's protocol sets {flag_text(field, value)}"
+    else:
+        whose = f"its runs have {flag_text(field, value)}"
+    allowed = ", ".join(flag(field) for field in MACHINE_FIELDS)
+    sys.exit(
+        f"error: --experiment {name}: {flag_text(field, getattr(args, field))} after -- changes its runs ({whose}); "
+        f"after -- it takes only {allowed} (other flags: a sweep of --games, --seeds and --method)"
+    )
 
 
 def gpu_count(opts) -> int:
@@ -253,16 +353,27 @@ def main(argv=None) -> None:
     common = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--name", required=True, help="the sweep's name: its runs go to <root>/<name>/")
     parser.add_argument(
-        "--script", default="ppg_procgen.py", choices=("ppg_procgen.py", "ppg_atari.py"), help="the training script"
+        "--experiment",
+        default=None,
+        metavar="NAME",
+        help=f"one of the released experiments, as released: {', '.join(EXPERIMENTS)} (tools/experiments.py)",
+    )
+    parser.add_argument("--name", help="the sweep's name: its runs go to <root>/<name>/ (an experiment's: its name)")
+    parser.add_argument(
+        "--script", choices=("ppg_procgen.py", "ppg_atari.py"), help="the training script (default: ppg_procgen.py)"
+    )
+    parser.add_argument("--games", nargs="+", help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games")
+    parser.add_argument("--seeds", nargs="+", type=int, help="each run's --seed (default: 1 2 3)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="the methods to run (default: ppg, ppo and each one --method defines); built in: ppg, ppo",
     )
     parser.add_argument(
-        "--games", nargs="+", required=True, help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games"
+        "--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method (and run it)"
     )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="each run's --seed")
-    parser.add_argument("--methods", nargs="+", default=["ppg", "ppo"], help="built in: ppg, ppo; more by --method")
-    parser.add_argument("--method", action="append", default=[], metavar='NAME="FLAGS"', help="define a method")
     parser.add_argument("--root", default="runs", help="where the sweep's folder goes")
     parser.add_argument("--cluster", choices=("local", "slurm"), default="local", help="where the jobs run")
     parser.add_argument("--jobs", type=int, default=1, help="local, without GPUs: jobs at once")
@@ -287,8 +398,28 @@ def main(argv=None) -> None:
             sys.exit(f"error: --{name.replace('_', '-')} must be at least {value}")
     if not opts.time_min > 0 or opts.signal_delay_s < 0:
         sys.exit("error: --time-min must be > 0 and --signal-delay-s >= 0")
+    if opts.experiment is not None:
+        if opts.experiment not in EXPERIMENTS:
+            sys.exit(f"error: --experiment {opts.experiment}: unknown; known: {', '.join(EXPERIMENTS)}")
+        for name in ("script", "games", "seeds", "methods", "method"):  # an experiment's own: the released runs
+            if getattr(opts, name):
+                sys.exit(
+                    f"error: --{name} with --experiment: an experiment runs the released games, seeds and variants "
+                    f"(leave --{name} out, or --experiment for a sweep of your own)"
+                )
+        opts.name = opts.name or opts.experiment
+    elif opts.name is None or opts.games is None:
+        sys.exit("error: --name and --games are needed (or --experiment NAME: a released experiment)")
+    opts.script, opts.seeds = opts.script or "ppg_procgen.py", opts.seeds or [1, 2, 3]
 
     script, jobs = plan_jobs(opts, common)
+    if opts.experiment is not None:  # what the runs are: the command's whole meaning
+        variants = EXPERIMENTS[opts.experiment]["variants"]
+        listed = ", ".join(f"{name} ({flags or 'the defaults'})" for name, flags in variants.items())
+        print(
+            f"experiment {opts.experiment}: {len(opts.games)} games x variants {listed} x seeds {opts.seeds}; "
+            f"every run: {PAPER_PROTOCOL}"
+        )
     todo = [(f, flags, total) for f, flags, total in jobs if job_command(script, f, flags, total) is not None]
     for folder, flags, total in jobs:
         command = job_command(script, folder, flags, total)
