@@ -1,4 +1,4 @@
-"""Shared test helpers: load each training script as a module (so the tests call the very code
+"""Shared test functions: load each training script as a module (so the tests call the very code
 that trains), run it as a subprocess or in this process, and read back its TensorBoard scalars.
 
 The suite's budget is a few minutes on a 2-core CPU without native bf16, so work is shared: `tiny_run` trains

@@ -213,7 +213,7 @@ def test_readme_results_table_comes_from_the_committed_logs(monkeypatch, capsys)
 
 
 def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsys):
-    """The README's starpilot table (issue 46) is what the committed logs hold: each return cell is what
+    """The README's starpilot table is what the committed logs hold: each return cell is what
     tools/summarise_run.py reads from the run's event files in docs/logs/starpilot-cpu (or "not reached"); the phases,
     wall time and env steps/s rows sum the "phase N done in S s" lines of its train.log; the released columns are
     tools/report.py's released_return of the authors' results at the same step."""
