@@ -1,4 +1,4 @@
-"""Shared test helpers: load each training script as a module (so the tests call the very code
+"""Shared test functions: load each training script as a module (so the tests call the very code
 that trains), run it as a subprocess or in this process, and read back its TensorBoard scalars.
 
 The suite's budget is a few minutes on a 2-core CPU without native bf16, so work is shared: `tiny_run` trains
@@ -218,3 +218,55 @@ def sweep_grid(tmp_path_factory):
     done = sweep(root, *argv, "--", *SWEEP_TINY)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return types.SimpleNamespace(root=root, folder=root / "grid", argv=argv, stdout=done.stdout)
+
+
+# The comparisons with the authors' released code skip where it is absent, so the suite's last lines say whether they
+# ran: one line after the test results, with the command that enables them when they skipped.
+RELEASED_TEST_FILES = {"test_released_code.py", "test_whole_run.py"}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    import released_shims as rs
+
+    outcomes, reasons = {}, []
+    for category in ["passed", "failed", "error", "skipped", "xfailed", "xpassed"]:
+        for report in terminalreporter.stats.get(category, []):
+            nodeid = getattr(report, "nodeid", "")
+            if pathlib.Path(nodeid.split("::")[0]).name not in RELEASED_TEST_FILES:
+                continue
+            if report.skipped:
+                outcomes.setdefault(nodeid, "skipped")
+                if isinstance(report.longrepr, tuple):
+                    reasons.append(report.longrepr[2].removeprefix("Skipped: "))
+            elif report.failed:
+                outcomes[nodeid] = "failed"  # a failed setup, call or teardown fails the test
+            elif report.when == "call":
+                outcomes.setdefault(nodeid, "passed")
+    if not outcomes:
+        return  # a selection without them: nothing to say
+    count = {k: list(outcomes.values()).count(k) for k in ["passed", "failed", "skipped"]}
+    slow = sum(
+        pathlib.Path(item.nodeid.split("::")[0]).name in RELEASED_TEST_FILES
+        for item in terminalreporter.stats.get("deselected", [])
+    )
+    if count["skipped"] == len(outcomes):
+        why = "; ".join(dict.fromkeys(reasons)) or "skipped"
+        fix = rs.CLONE_COMMAND
+        if os.environ.get(rs.ENV_VAR):
+            fix = f"set {rs.ENV_VAR} to a clone of the released code, or unset it and {fix}"
+        line = f"released code: all {len(outcomes)} comparisons skipped: {why}; to run them: {fix}"
+        terminalreporter.write_line(line, yellow=True, bold=True)
+        return
+    path, _ = rs.released_root()
+    # a folder beside the checkout as the clone command names it; any other as given
+    beside = path and pathlib.Path(path).resolve().is_relative_to(ROOT.parent)
+    where = os.path.relpath(path, ROOT) if beside else str(path)
+    commit = rs.released_commit(path) if path else None
+    if commit and commit != rs.COMMIT:
+        where += f" at commit {commit[:7]}, not {rs.COMMIT[:7]} where the tolerances were measured"
+    parts = [f"{count['passed']} of {count['passed'] + count['failed']} comparisons passed"]
+    parts += [f"{count[k]} {k}" for k in ["failed", "skipped"] if count[k]]
+    line = f"released code: {', '.join(parts)} (test_released_code.py, test_whole_run.py; against {where})"
+    if slow:
+        line += f"; {slow} slow ones run with -m slow"
+    terminalreporter.write_line(line, green=not count["failed"], red=bool(count["failed"]), bold=True)

@@ -7,7 +7,7 @@ import sys
 
 from conftest import ROOT
 
-# What each script has alone: its env wrapper, its network, and their helpers
+# What each script has alone: its env wrapper, its network, and the definitions they use
 ONLY = {
     "ppg_procgen.py": {"ProcgenVecEnv", "ImpalaEncoder", "ResidualBlock", "normed_init_", "PROCGEN_GAMES"},
     "ppg_atari.py": {"AtariVecEnv", "NatureEncoder", "orthogonal_init_", "ale_protocol"},
@@ -52,7 +52,7 @@ def test_the_scripts_differ_only_in_env_network_and_defaults():
     assert len(set(procgen) & set(atari)) - len(DIFFER) >= 17  # the rest, shared word for word
 
 
-# The card's packages: a training run needs these and the standard library, nothing of tools/ (submitit, rliable, ...)
+# The packages a training run imports: these and the standard library, nothing of tools/ (submitit, rliable, ...)
 PACKAGES = {"torch", "numpy", "tyro", "gymnasium", "procgen", "ale_py", "wandb", "gym_notices"}  # gym_notices: gym's
 
 
