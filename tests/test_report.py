@@ -36,12 +36,13 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
     )
     assert done.returncode == 0, done.stderr[-2000:]
     text = out.with_suffix(".md").read_text()
-    for game in SWEEP_GAMES:  # each method's mean over its 2 seeds, at the step both reached
+    for game in SWEEP_GAMES:  # each method's mean over its 2 seeds, at the step both reached: a few episodes each
         row = next(line for line in text.splitlines() if line.startswith(f"| {game} |"))
-        assert row.count("(2, 192)") == 2, row
+        assert row.count("(2, 192, ") == 2 and row.count(" < 100)") == 2, row
     assert "(No released column: no released results folder given.)" in text
     assert "at 192 env steps" in text and text.count("| 2 x 1 | ") == 2  # ppg and ppo: 2 seeds x 1 game each
-    assert "P(ppg > ppo) = " in text
+    assert "Ranking: none, the runs are too short: fewer than 100 episodes a run by 192 env steps." in text
+    assert "P(ppg > ppo) needs longer runs" in text and "[" not in text.split("| ppg | 2 x 1 |")[1].splitlines()[0]
     assert out.with_suffix(".png").stat().st_size > 10_000  # drawn (and looked at when this test was written)
 
 
@@ -105,7 +106,7 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
         rows = "\n".join(str(10.0 * run + i) for i in range(20))
         (results / f"ppg-run{run}" / "progress-bigfish.csv").write_text("EpRewMean\n" + rows + "\n")
     write_run(sweep, "bigfish", "ppg", 1, [1.0] * 150 + [3.0] * 100, last=10 * 65_536)
-    write_run(sweep, "bigfish", "ppg", 2, [5.0] * 100, last=12 * 65_536)
+    write_run(sweep, "bigfish", "ppg", 2, [5.0] * 120, last=12 * 65_536)  # 100 of them by 10 x 65,536
     argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep), "--released", str(results), "--reps", "100"]
     # (a process of its own: rliable's imports hold on to stderr)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)
@@ -113,7 +114,7 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     out = done.stdout
     # step 655,360 (both seeds reached it): seed 1's last 100 episodes by then are 3.0, seed 2's are 5.0; the released
     # row 9 (10 x 65,536) is 9, 19, 29 over the 3 runs
-    assert "| bigfish | 4.00 (2, 655,360) | 19.00 |" in out
+    assert "| bigfish | 4.00 (2, 655,360, 100) | 19.00 |" in out
     assert report.released_return(results, "ppg", "bigfish", 65_535) is None  # before the first row
 
 
@@ -153,10 +154,10 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
 
     one = tmp_path / "one"  # 1 game, 1 seed of each method
     for method, value in (("ppg", 10.0), ("ppo", 8.0)):
-        write_run(one, "bigfish", method, 1, [value] * 20, last=2 * 65_536)
+        write_run(one, "bigfish", method, 1, [value] * 100, last=2 * 65_536)
     out = report_of(one)
     assert "2 runs: 1 game x methods" in out and "over the 1 game at" in out
-    assert "| ppg | 1 x 1 | 0.250 | 0.250 |" in out and "| ppo | 1 x 1 | 0.200 | 0.200 |" in out
+    assert "| ppg | 1 x 1 | 100 | 0.250 | 0.250 |" in out and "| ppo | 1 x 1 | 100 | 0.200 | 0.200 |" in out
     assert "No interval where a method has fewer than 2 seeds in every game (ppg has 1 seed, ppo has 1 seed)." in out
     assert (
         "P(ppg > ppo) needs more seeds: at least 2 of each method in every game." in out and "P(ppg > ppo) =" not in out
@@ -165,10 +166,10 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
 
     mixed = tmp_path / "mixed"  # ppg: 2 seeds (intervals), ppo: 1 (none)
     for method, seed, value in (("ppg", 1, 10.0), ("ppg", 2, 12.0), ("ppo", 1, 8.0)):
-        write_run(mixed, "bigfish", method, seed, [value] * 20, last=2 * 65_536)
+        write_run(mixed, "bigfish", method, seed, [value] * 100, last=2 * 65_536)
     out = report_of(mixed)
-    assert re.search(r"\| ppg \| 2 x 1 \| 0\.275 \[\S+, \S+\] \| 0\.275 \[\S+, \S+\] \|", out), out
-    assert "| ppo | 1 x 1 | 0.200 | 0.200 |" in out and "(ppo has 1 seed)" in out
+    assert re.search(r"\| ppg \| 2 x 1 \| 100 \| 0\.275 \[\S+, \S+\] \| 0\.275 \[\S+, \S+\] \|", out), out
+    assert "| ppo | 1 x 1 | 100 | 0.200 | 0.200 |" in out and "(ppo has 1 seed)" in out
     assert "P(ppg > ppo) needs more seeds" in out
     title = "mixed: 1 game, seeds ppg 2, ppo 1\nbands (ppg only): 95% stratified-bootstrap CIs"
     assert drawn[-1] == (title, 2, 1)  # two lines, one band
@@ -356,9 +357,11 @@ def test_an_experiment_report_puts_each_variant_beside_its_released_runs(tmp_pat
     out = capsys.readouterr().out
     assert "bigfish__ppg__1: ppg is not a variant of the experiment, left out" in out
     assert "4 runs: " not in out and "6 runs: 2 games x methods ['e-aux-1', 'e-aux-6'], hard mode." in out
-    header = "| game | e-aux-1 (seeds, step) | e-aux-1 released | e-aux-6 (seeds, step) |"
+    header = (
+        "| game | e-aux-1 (seeds, step, episodes a seed) | e-aux-1 released | e-aux-6 (seeds, step, episodes a seed) |"
+    )
     assert header in out
-    assert "| bigfish | 25.00 (2, 983,040) | 14.00 | 10.00 (1, 983,040) |" in out  # released: row 14 of run 1
+    assert "| bigfish | 25.00 (2, 983,040, 100) | 14.00 | 10.00 (1, 983,040, 100) |" in out  # released: row 14 of run 1
     assert (
         "(No released column beside e-aux-6: its runs are not the released run: --aux-kl-stop 0.02 (released: " in out
     )
@@ -371,3 +374,63 @@ def test_an_experiment_report_puts_each_variant_beside_its_released_runs(tmp_pat
     assert [title for title, _ in panels[:2]] == ["bigfish", "starpilot"]
     assert panels[0][1] == ["-", "--", "-"]  # e-aux-1 ours, its released runs, e-aux-6 ours
     assert panels[2][1] == ["-", "--", "-"] and "dashed: released" in panels[2][0]  # the aggregate
+
+
+def report_out(folder, monkeypatch, capsys, *flags) -> str:
+    """What report.py prints for a sweep folder, in this process (its figure drawn but not written)."""
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *args, **kwargs: None)
+    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["report.py", str(folder), "--reps", "50", "--points", "3", *flags])
+    load_report().main()
+    return capsys.readouterr().out
+
+
+def test_runs_too_short_for_100_episodes_are_marked_and_not_ranked(tmp_path, monkeypatch, capsys):
+    """Runs that ended fewer than 100 episodes by the step: each cell gives the episodes its seeds averaged, marked
+    below 100; the aggregate gives no interval and no P(X > Y) and says the runs are too short to rank methods. Runs
+    of 100 episodes and more: cells say 100, intervals are given and the methods ranked where they do not overlap."""
+    short = tmp_path / "short"  # 768 env steps, as a tiny sweep: 4 to 11 episodes ended
+    for method, seed, episodes in (("ppg", 1, 4), ("ppg", 2, 11), ("ppo", 1, 10), ("ppo", 2, 10)):
+        write_run(short, "bigfish", method, seed, [1.0] * episodes, last=768)
+    out = report_out(short, monkeypatch, capsys)
+    assert "| game | ppg (seeds, step, episodes a seed) | ppo (seeds, step, episodes a seed) |" in out
+    assert "| bigfish | 1.00 (2, 768, 4-11 < 100) | 1.00 (2, 768, 10 < 100) |" in out
+    assert "Ours: a run's mean return over the episodes it had ended by the step, the last 100 at most" in out
+    assert "| ppg | 2 x 1 | 4-11 < 100 | 0.025 | 0.025 |" in out and "| ppo | 2 x 1 | 10 < 100 | 0.025 | 0.025 |" in out
+    assert (
+        "No interval where a run had ended fewer than 100 episodes by 768 env steps (ppg: 2 of 2 runs; ppo: 2 of 2 "
+        in out
+    )
+    assert "Ranking: none, the runs are too short: fewer than 100 episodes a run by 768 env steps." in out
+    assert (
+        "P(ppg > ppo) needs longer runs: at least 100 episodes a run by the step." in out
+        and "P(ppg > ppo) =" not in out
+    )
+
+    long = tmp_path / "long"  # 150 episodes a run by 2 x 65,536 steps
+    for method, seed, value in (("ppg", 1, 20.0), ("ppg", 2, 22.0), ("ppo", 1, 10.0), ("ppo", 2, 12.0)):
+        write_run(long, "bigfish", method, seed, [value] * 150, last=2 * 65_536)
+    out = report_out(long, monkeypatch, capsys)
+    assert "| bigfish | 21.00 (2, 131,072, 100) | 11.00 (2, 131,072, 100) |" in out
+    assert re.search(r"\| ppg \| 2 x 1 \| 100 \| 0\.525 \[\S+, \S+\] \| 0\.525 \[\S+, \S+\] \|", out), out
+    assert "Ranking by the mean (~: their 95% intervals overlap, so these runs do not order them): ppg > ppo" in out
+    assert "P(ppg > ppo) = 1.000" in out and "No interval" not in out
+
+
+def test_a_method_or_seed_left_out_of_the_aggregate_says_why(tmp_path, monkeypatch, capsys):
+    """A method with no seed in every game, a method with a run that had ended no episode by the step, and a seed
+    missing a game are each left out of the aggregate in a line that says why; one seed a method is too few to rank."""
+    sweep = tmp_path / "sweep"
+    for game in ("bigfish", "starpilot"):
+        write_run(sweep, game, "ppg", 1, [10.0] * 100, last=65_536)
+        write_run(sweep, game, "e-aux-2", 1, [10.0] * 100 if game == "bigfish" else [], last=65_536)
+    write_run(sweep, "bigfish", "ppg", 2, [12.0] * 100, last=65_536)  # seed 2 has no starpilot run
+    write_run(sweep, "bigfish", "ppo", 1, [8.0] * 100, last=65_536)  # ppo has no starpilot run
+    out = report_out(sweep, monkeypatch, capsys)
+    assert "| ppg | 1 x 2 | 100 | " in out and "| ppo |" not in out.split("Aggregate")[1]
+    assert "ppo is left out of the aggregate: no seed has a run in every game (none in starpilot)." in out
+    assert "e-aux-2 is left out of the aggregate: no episode had ended by 65,536 env steps in starpilot seed 1." in out
+    assert "ppg seed 2 is left out of the aggregate: it has no run in starpilot." in out
+    assert "Ranking: none, too few seeds: ppg has 1 seed in every game (an interval needs 2)." in out

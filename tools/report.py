@@ -168,6 +168,19 @@ def mean_return_at(run: dict, step: int, window: int = WINDOW) -> float:
     return float(ended.mean()) if len(ended) else float("nan")
 
 
+def episodes_at(run: dict, step: int) -> int:
+    """How many episodes the run's figure at `step` averages: those it had ended by then, WINDOW at most."""
+    return min(WINDOW, int((run["steps"] <= step).sum()))
+
+
+def episode_counts(counts: list) -> str:
+    """'100' where every run's figure averages WINDOW episodes, else the fewest to the most, marked: '4-11 < 100'."""
+    low, high = min(counts), max(counts)
+    if low >= WINDOW:
+        return str(WINDOW)
+    return f"{low if low == high else f'{low}-{high}'} < {WINDOW}"
+
+
 def released_rows(results: pathlib.Path, folders: list, game: str):
     """(runs, rows) EpRewMean of the variant's released runs in `game`, or None where a CSV is missing."""
     paths = [results / folder / f"progress-{game}.csv" for folder in folders]
@@ -199,11 +212,16 @@ def released_matrix(results: pathlib.Path, method: str, games: list, step=None):
     return np.array(columns).T
 
 
-def score_matrix(runs: list, method: str, games: list, step: int) -> np.ndarray:
-    """(seeds, games) normalised scores of a method at `step`: the seeds every game has, in order."""
-    seeds = sorted(
+def common_seeds(runs: list, method: str, games: list) -> list:
+    """The seeds of a method that have a run in every game, in order."""
+    return sorted(
         set.intersection(*({r["seed"] for r in runs if r["method"] == method and r["game"] == g} for g in games))
     )
+
+
+def score_matrix(runs: list, method: str, games: list, step: int) -> np.ndarray:
+    """(seeds, games) normalised scores of a method at `step`: the seeds every game has, in order."""
+    seeds = common_seeds(runs, method, games)
     matrix = np.full((len(seeds), len(games)), np.nan)
     for r in runs:
         if r["method"] == method and r["game"] in games and r["seed"] in seeds:
@@ -460,7 +478,8 @@ def main() -> None:
         "",
         f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, {mode} mode.",
         "",
-        f"Ours: a run's mean return over its last {WINDOW} episodes by the step, a method's the mean over its seeds. "
+        f"Ours: a run's mean return over the episodes it had ended by the step, the last {WINDOW} at most (each "
+        f"figure says how many, < {WINDOW} marking fewer), a method's the mean over its seeds. "
         f"Released: EpRewMean at the row of the step (a row: the last {WINDOW} episodes of each of the released code's "
         f"4 workers), the mean over the variant's released runs; at 100M: the mean of each CSV's last {FINAL_ROWS} "
         "rows.",
@@ -469,9 +488,10 @@ def main() -> None:
 
     # 1. The per-game table
     header = "| game | " + " | ".join(
-        f"{m} (seeds, step)" + (f" | {m} released" if m in beside else "") for m in methods
+        f"{m} (seeds, step, episodes a seed)" + (f" | {m} released" if m in beside else "") for m in methods
     )
     lines += [header + " |", "|" + "---|" * (header.count("|"))]
+    released_steps, marked = [], False  # the steps the released figures are read at; a figure of < WINDOW episodes
     for game in games:
         cells = []
         for method in methods:
@@ -479,11 +499,20 @@ def main() -> None:
             step = min((r["last"] for r in own), default=0)
             means = [mean_return_at(r, step) for r in own]
             mean = f"{np.mean(means):.2f}" if own and not np.isnan(means).any() else "no episode ended in a seed"
-            cells.append("-" if not own else f"{mean} ({len(own)}, {step:,})")
+            episodes = episode_counts([episodes_at(r, step) for r in own]) if own else ""
+            marked = marked or "<" in episodes
+            cells.append("-" if not own else f"{mean} ({len(own)}, {step:,}, {episodes})")
             if method in beside:
                 found = released_return(results, method, game, step) if own else None
                 cells.append("-" if found is None else f"{found:.2f}")
+                released_steps += [step] if own else []
         lines.append(f"| {game} | " + " | ".join(cells) + " |")
+    if marked:
+        lines += [
+            "",
+            f"(A figure marked < {WINDOW} averages fewer than {WINDOW} episodes in a seed: by that step the run had "
+            f"not ended {WINDOW}, so it is not the {WINDOW}-episode mean of the others.)",
+        ]
     if results is None:
         lines += ["", "(No released column: no released results folder given.)"]
     for m in methods:
@@ -493,11 +522,34 @@ def main() -> None:
                 f"(No released column beside {m}: its runs are not the released run: {'; '.join(differences[m])}.)",
             ]
 
-    # 2. The aggregate at the last step every run reached
+    # 2. The aggregate at the last step every run reached: a runs x games matrix a method, of the seeds in every game
     step = min(r["last"] for r in runs)
-    score_dict = {m: score_matrix(runs, m, games, step) for m in methods}
-    score_dict = {m: s for m, s in score_dict.items() if len(s) and not np.isnan(s).any()}
+    score_dict, left_out, counts = {}, [], {}
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        kept = common_seeds(runs, m, games)
+        if missing := [g for g in games if not any(r["game"] == g for r in mine)]:
+            left_out.append(
+                f"{m} is left out of the aggregate: no seed has a run in every game (none in {', '.join(missing)})."
+            )
+            continue
+        if not kept:
+            left_out.append(f"{m} is left out of the aggregate: no seed has a run in every game.")
+            continue
+        for seed in sorted({r["seed"] for r in mine} - set(kept)):
+            lacks = [g for g in games if not any(r["game"] == g and r["seed"] == seed for r in mine)]
+            left_out.append(f"{m} seed {seed} is left out of the aggregate: it has no run in {', '.join(lacks)}.")
+        mine = [r for r in mine if r["seed"] in kept]
+        if empty := [f"{r['game']} seed {r['seed']}" for r in mine if episodes_at(r, step) == 0]:
+            left_out.append(
+                f"{m} is left out of the aggregate: no episode had ended by {step:,} env steps in {', '.join(empty)}."
+            )
+            continue
+        score_dict[m] = score_matrix(runs, m, games, step)
+        counts[m] = [episodes_at(r, step) for r in mine]
     seeds = {m: s.shape[0] for m, s in score_dict.items()}  # the seeds every game has, per method
+    short = {m: sum(c < WINDOW for c in counts[m]) for m in score_dict}  # runs of fewer than WINDOW episodes
+    banded = {m: seeds[m] >= MIN_SEEDS and not short[m] for m in score_dict}  # those with an interval
     lines += [
         "",
         f"Aggregate {mode}-normalised score over the {count(len(games), 'game')} at {step:,} env steps (95% "
@@ -506,8 +558,9 @@ def main() -> None:
         "",
     ]
     lines += [
-        "| method | seeds x games | IQM [95% CI] | mean [95% CI] | released mean, same step | released mean at 100M |",
-        "|---|---|---|---|---|---|",
+        "| method | seeds x games | episodes a run | IQM [95% CI] | mean [95% CI] | released mean, same step | "
+        "released mean at 100M |",
+        "|---|---|---|---|---|---|---|",
     ]
     released_now = {m: released_matrix(results, m, games, step) for m in score_dict if m in beside}
     released_final = {m: released_matrix(results, m, games) for m in score_dict if m in beside}
@@ -517,18 +570,53 @@ def main() -> None:
         final_points, final_intervals = interval_estimates(released_final, opts.reps) if released_final else ({}, {})
         for m in score_dict:
             (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[m]
-            iqm = with_interval(points[m][0], (iqm_lo, iqm_hi), seeds[m])
-            mean = with_interval(points[m][1], (mean_lo, mean_hi), seeds[m])
+            iqm = with_interval(points[m][0], (iqm_lo, iqm_hi), seeds[m] if banded[m] else 0)
+            mean = with_interval(points[m][1], (mean_lo, mean_hi), seeds[m] if banded[m] else 0)
             now = "-" if released_now.get(m) is None else f"{released_now[m].mean():.3f}"
             final = "-"
             if m in final_points:
                 final = with_interval(final_points[m][1], final_intervals[m][:, 1], released_final[m].shape[0])
-            lines.append(f"| {m} | {seeds[m]} x {score_dict[m].shape[1]} | {iqm} | {mean} | {now} | {final} |")
+            matrix = f"{seeds[m]} x {score_dict[m].shape[1]}"
+            lines.append(f"| {m} | {matrix} | {episode_counts(counts[m])} | {iqm} | {mean} | {now} | {final} |")
+        released_steps += [step] if released_now else []
+    lines += [line for why in left_out for line in ("", why)]
     if few := [f"{m} has {count(n, 'seed')}" for m, n in seeds.items() if n < MIN_SEEDS]:
         lines += ["", f"No interval where a method has fewer than {MIN_SEEDS} seeds in every game ({', '.join(few)})."]
+    if shorts := [f"{m}: {short[m]} of {len(counts[m])} runs" for m in score_dict if short[m]]:
+        lines += [
+            "",
+            f"No interval where a run had ended fewer than {WINDOW} episodes by {step:,} env steps "
+            f"({'; '.join(shorts)}).",
+        ]
+    if shorts:
+        lines += [
+            "",
+            f"Ranking: none, the runs are too short: fewer than {WINDOW} episodes a run by {step:,} env steps.",
+        ]
+    elif few:
+        lines += ["", f"Ranking: none, too few seeds: {', '.join(few)} in every game (an interval needs {MIN_SEEDS})."]
+    elif len(score_dict) > 1:
+        order = sorted(score_dict, key=lambda m: -points[m][1])
+        ranking = order[0]
+        for above, below in zip(order, order[1:]):  # neighbours apart where their intervals do not overlap
+            ranking += f" {'>' if intervals[above][0][1] > intervals[below][1][1] else '~'} {below}"
+        lines += [
+            "",
+            f"Ranking by the mean (~: their 95% intervals overlap, so these runs do not order them): {ranking}",
+        ]
+    if any(s < STEPS_PER_RELEASED_ROW for s in released_steps):
+        lines += ["", f"(No released figure below {STEPS_PER_RELEASED_ROW:,} env steps: the CSVs' first row is there.)"]
+    if any(STEPS_PER_RELEASED_ROW <= s < (FIRST_VALID + 1) * STEPS_PER_RELEASED_ROW for s in released_steps):
+        lines += [
+            "",
+            f"(Released figures below {(FIRST_VALID + 1) * STEPS_PER_RELEASED_ROW:,} env steps come from the CSVs' "
+            f"first {FIRST_VALID} rows, which the released graph.py drops: their episode buffers were still filling.)",
+        ]
     x, y = opts.compare
     if x in score_dict and y in score_dict:
-        if min(seeds[x], seeds[y]) < MIN_SEEDS:
+        if short[x] or short[y]:
+            lines += ["", f"P({x} > {y}) needs longer runs: at least {WINDOW} episodes a run by the step."]
+        elif min(seeds[x], seeds[y]) < MIN_SEEDS:
             lines += ["", f"P({x} > {y}) needs more seeds: at least {MIN_SEEDS} of each method in every game."]
         elif score_dict[x].shape != score_dict[y].shape:
             lines += ["", f"P({x} > {y}) needs the same seeds x games of both ({seeds[x]} and {seeds[y]} seeds)."]
@@ -559,14 +647,15 @@ def main() -> None:
         xs = np.array(sorted(curve))
         ys = np.array([points[str(s)][which] for s in xs])
         lo, hi = (np.array([intervals[str(s)][k][which] for s in xs]) for k in (0, 1))
-        banded = seeds[m] >= MIN_SEEDS
-        ours[m]["aggregate"] = (xs / 1e6, ys, lo if banded else None, hi if banded else None)
-    banded = [m for m in score_dict if seeds[m] >= MIN_SEEDS]
+        ours[m]["aggregate"] = (xs / 1e6, ys, lo if banded[m] else None, hi if banded[m] else None)
+    bands = [m for m in score_dict if banded[m]]
     title = f"{opts.folder.name}: {count(len(games), 'game')}, {seeds_a_method(seeds)}"
-    if banded and len(banded) == len(ours):
+    if shorts:
+        title += f"\ntoo short to rank: fewer than {WINDOW} episodes a run by {step:,} env steps"
+    if bands and len(bands) == len(ours):
         title += "\nbands: 95% stratified-bootstrap CIs"
-    elif banded:
-        title += f"\nbands ({', '.join(banded)} only): 95% stratified-bootstrap CIs"
+    elif bands:
+        title += f"\nbands ({', '.join(bands)} only): 95% stratified-bootstrap CIs"
     if beside:
         title += f"\ndashed: released, first {FIRST_VALID} rows dropped, smoothed {SMOOTHING}"
     stem = pathlib.Path(opts.out) if opts.out else opts.folder / "report"
