@@ -14,11 +14,15 @@ import torch
 from conftest import PATIENCE_S, ROOT, SWEEP_GAMES
 
 
-def load_report():
-    spec = importlib.util.spec_from_file_location("report_tool", ROOT / "tools" / "report.py")
+def load_tool(name: str, as_name: str):
+    spec = importlib.util.spec_from_file_location(as_name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_report():
+    return load_tool("report", "report_tool")
 
 
 def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tmp_path):
@@ -32,12 +36,13 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
     )
     assert done.returncode == 0, done.stderr[-2000:]
     text = out.with_suffix(".md").read_text()
-    for game in SWEEP_GAMES:  # each method's mean over its 2 seeds, at the step both reached
+    for game in SWEEP_GAMES:  # each method's mean over its 2 seeds, at the step both reached: a few episodes each
         row = next(line for line in text.splitlines() if line.startswith(f"| {game} |"))
-        assert row.count("(2, 192)") == 2, row
-    assert "(No released-code column: no released results folder given.)" in text
+        assert row.count("(2, 192, ") == 2 and row.count(" < 100)") == 2, row
+    assert "(No released column: no released results folder given.)" in text
     assert "at 192 env steps" in text and text.count("| 2 x 1 | ") == 2  # ppg and ppo: 2 seeds x 1 game each
-    assert "P(ppg > ppo) = " in text
+    assert "Ranking: none, the runs are too short: fewer than 100 episodes a run by 192 env steps." in text
+    assert "P(ppg > ppo) needs longer runs" in text and "[" not in text.split("| ppg | 2 x 1 |")[1].splitlines()[0]
     assert out.with_suffix(".png").stat().st_size > 10_000  # drawn (and looked at when this test was written)
 
 
@@ -63,13 +68,27 @@ def test_iqm_and_intervals_are_rliables_and_the_iqm_a_hand_computation():
     assert p == 1.0 and low == high == 1.0  # b + 1 beats a in every game and run
 
 
-def write_run(folder, game: str, method: str, seed: int, returns: list, last: int, **flags) -> None:
-    """A run as tools/sweep.py leaves it: <game>__<method>__<seed>/runs/<run>/ with a checkpoint and its log."""
+def script_args(*flags: str) -> dict:
+    """Every Args field of a ppg_procgen.py run started with `flags`, as its checkpoint keeps them."""
+    import tyro
+
+    from conftest import load_script
+
+    return vars(tyro.cli(load_script("ppg_procgen.py").Args, args=list(flags)))
+
+
+def write_run(folder, game: str, method: str, seed: int, returns: list, last: int, flags: str = None) -> None:
+    """A run as tools/sweep.py leaves it: <game>__<method>__<seed>/runs/<run>/ with a checkpoint and its log. Its Args
+    are the script's for `flags` (default: the released protocol, with the method's own flags where it is a variant)."""
     from torch.utils.tensorboard import SummaryWriter
 
+    experiments = load_tool("experiments", "experiments_table")
+    if flags is None:
+        variants = {name: v for e in experiments.EXPERIMENTS.values() for name, v in e["variants"].items()}
+        flags = f"{experiments.PAPER_PROTOCOL} {variants.get(method, '')}"
     run = folder / f"{game}__{method}__{seed}" / "runs" / f"{game}__{method}__{seed}__1"
     run.mkdir(parents=True)
-    args = dict(distribution_mode="hard", num_envs=256, aux_mb_trajectories=16, env_id=game, **flags)
+    args = dict(script_args(*flags.split(), "--seed", str(seed)), env_id=game)  # (env_id: Atari's too)
     torch.save(dict(args=args, global_step=last, phase=1), run / "checkpoint.pt")
     writer = SummaryWriter(str(run))
     for i, value in enumerate(returns):
@@ -87,7 +106,7 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
         rows = "\n".join(str(10.0 * run + i) for i in range(20))
         (results / f"ppg-run{run}" / "progress-bigfish.csv").write_text("EpRewMean\n" + rows + "\n")
     write_run(sweep, "bigfish", "ppg", 1, [1.0] * 150 + [3.0] * 100, last=10 * 65_536)
-    write_run(sweep, "bigfish", "ppg", 2, [5.0] * 100, last=12 * 65_536)
+    write_run(sweep, "bigfish", "ppg", 2, [5.0] * 120, last=12 * 65_536)  # 100 of them by 10 x 65,536
     argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(sweep), "--released", str(results), "--reps", "100"]
     # (a process of its own: rliable's imports hold on to stderr)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)
@@ -95,7 +114,7 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     out = done.stdout
     # step 655,360 (both seeds reached it): seed 1's last 100 episodes by then are 3.0, seed 2's are 5.0; the released
     # row 9 (10 x 65,536) is 9, 19, 29 over the 3 runs
-    assert "| bigfish | 4.00 (2, 655,360) | 19.00 |" in out
+    assert "| bigfish | 4.00 (2, 655,360, 100) | 19.00 |" in out
     assert report.released_return(results, "ppg", "bigfish", 65_535) is None  # before the first row
 
 
@@ -122,7 +141,7 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
     report, drawn = load_report(), []
 
     def savefig(figure, *args, **kwargs):
-        (ax,) = figure.axes
+        ax = figure.axes[-1]  # the aggregate, beside the per-game panels
         drawn.append((ax.get_title(), len(ax.lines), len(ax.collections)))
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
@@ -135,10 +154,10 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
 
     one = tmp_path / "one"  # 1 game, 1 seed of each method
     for method, value in (("ppg", 10.0), ("ppo", 8.0)):
-        write_run(one, "bigfish", method, 1, [value] * 20, last=2 * 65_536)
+        write_run(one, "bigfish", method, 1, [value] * 100, last=2 * 65_536)
     out = report_of(one)
     assert "2 runs: 1 game x methods" in out and "over the 1 game at" in out
-    assert "| ppg | 1 x 1 | 0.250 | 0.250 |" in out and "| ppo | 1 x 1 | 0.200 | 0.200 |" in out
+    assert "| ppg | 1 x 1 | 100 | 0.250 | 0.250 |" in out and "| ppo | 1 x 1 | 100 | 0.200 | 0.200 |" in out
     assert "No interval where a method has fewer than 2 seeds in every game (ppg has 1 seed, ppo has 1 seed)." in out
     assert (
         "P(ppg > ppo) needs more seeds: at least 2 of each method in every game." in out and "P(ppg > ppo) =" not in out
@@ -147,10 +166,10 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
 
     mixed = tmp_path / "mixed"  # ppg: 2 seeds (intervals), ppo: 1 (none)
     for method, seed, value in (("ppg", 1, 10.0), ("ppg", 2, 12.0), ("ppo", 1, 8.0)):
-        write_run(mixed, "bigfish", method, seed, [value] * 20, last=2 * 65_536)
+        write_run(mixed, "bigfish", method, seed, [value] * 100, last=2 * 65_536)
     out = report_of(mixed)
-    assert re.search(r"\| ppg \| 2 x 1 \| 0\.275 \[\S+, \S+\] \| 0\.275 \[\S+, \S+\] \|", out), out
-    assert "| ppo | 1 x 1 | 0.200 | 0.200 |" in out and "(ppo has 1 seed)" in out
+    assert re.search(r"\| ppg \| 2 x 1 \| 100 \| 0\.275 \[\S+, \S+\] \| 0\.275 \[\S+, \S+\] \|", out), out
+    assert "| ppo | 1 x 1 | 100 | 0.200 | 0.200 |" in out and "(ppo has 1 seed)" in out
     assert "P(ppg > ppo) needs more seeds" in out
     title = "mixed: 1 game, seeds ppg 2, ppo 1\nbands (ppg only): 95% stratified-bootstrap CIs"
     assert drawn[-1] == (title, 2, 1)  # two lines, one band
@@ -186,3 +205,232 @@ def test_bad_input_stops_in_one_line_and_a_folder_kept_aside_is_left_out(tmp_pat
     del state["args"]["distribution_mode"]  # as ppg_atari.py writes its checkpoint: no Procgen mode
     torch.save(state, checkpoint)
     assert stop_of(atari) == f"error: {atari}: Procgen sweeps only (an Atari run: tools/summarise_run.py, plot_runs.py)"
+
+
+def test_a_run_is_the_released_run_of_its_variant_only_with_every_released_flag():
+    """The paper's protocol with a variant's own flags (tools/experiments.py) is the released run of that variant, for
+    all seven experiments; each flag that makes a run the released one, changed alone, is named as the difference; a
+    variant's flags make another variant's run no released run; a method of no released variant is named as such."""
+    report, experiments = load_report(), load_tool("experiments", "experiments_table")
+    for experiment in experiments.EXPERIMENTS.values():
+        for variant, flags in experiment["variants"].items():
+            args = script_args(*f"{experiments.PAPER_PROTOCOL} {flags}".split())
+            assert report.differences_from_released(dict(method=variant, flags=args)) == [], variant
+    changed = {  # flag -> a value other than the released one
+        "--distribution-mode": "easy",
+        "--num-levels": "200",
+        "--start-level": "5",
+        "--num-envs": "64",
+        "--aux-mb-trajectories": "4",
+        "--num-steps": "128",
+        "--gamma": "0.99",
+        "--gae-lambda": "0.9",
+        "--learning-rate": "3e-4",
+        "--anneal-lr": None,
+        "--num-minibatches": "4",
+        "--clip-coef": "0.1",
+        "--ent-coef": "0.02",
+        "--no-norm-reward": None,
+        "--reward-norm-gamma": "0.999",
+        "--max-grad-norm": "0.5",
+        "--arch": "detach",
+        "--e-pi": "2",
+        "--e-v": "2",
+        "--e-aux": "2",
+        "--n-pi": "16",
+        "--beta-clone": "0.5",
+        "--kl-penalty": "1",
+        "--aux-kl-stop": "0.02",
+    }
+    for flag, value in changed.items():
+        args = script_args(*experiments.PAPER_PROTOCOL.split(), flag, *([value] if value else []))
+        (difference,) = report.differences_from_released(dict(method="ppg", flags=args))
+        assert difference.startswith(flag.replace("--no-", "--") + " "), (flag, difference)
+    eaux2 = script_args(*experiments.PAPER_PROTOCOL.split(), "--e-aux", "2")
+    assert report.differences_from_released(dict(method="e-aux-2", flags=eaux2)) == []
+    assert report.differences_from_released(dict(method="ppg", flags=eaux2)) == ["--e-aux 2 (released: 6)"]
+    no_guard = script_args(*experiments.PAPER_PROTOCOL.split())
+    del no_guard["kl_penalty"]  # a checkpoint written before the flag existed
+    assert report.differences_from_released(dict(method="ppg", flags=no_guard)) == [
+        "--kl-penalty not in its checkpoint (released: 0.0)"
+    ]
+    assert report.differences_from_released(dict(method="eaux2", flags=eaux2)) == ["no released variant is named eaux2"]
+
+
+def released_by_hand(results, folders: list) -> float:
+    """The mean normalised score at 100M over the 16 games of the released runs in `folders`, read from the CSVs with
+    the csv module: each CSV's last 10 rows averaged, the runs averaged per game, normalised by the released
+    constants.py's HARD_GAME_RANGES (loaded from its own file), the games averaged."""
+    import csv
+
+    from released_shims import released_root
+
+    spec = importlib.util.spec_from_file_location(
+        "released_constants", released_root()[0] / "phasic_policy_gradient" / "constants.py"
+    )
+    constants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(constants)
+    scores = []
+    for game in constants.ENV_NAMES:
+        finals = []
+        for folder in folders:
+            with open(results / folder / f"progress-{game}.csv") as f:
+                rows = list(csv.reader(f))
+            assert rows[0] == ["EpRewMean"] and len(rows) == 1 + 1526  # 1,526 rows: 100,007,936 env steps
+            finals.append(np.mean([float(row[0]) for row in rows[-10:]]))
+        low, high = constants.HARD_GAME_RANGES[game]
+        scores.append((np.mean(finals) - low) / (high - low))
+    assert len(scores) == 16
+    return float(np.mean(scores))
+
+
+def test_the_released_scores_at_100m_the_report_prints_are_the_csvs(monkeypatch, capsys):
+    """`report.py --released-only` prints, a row an experiment, each variant's released mean normalised score at
+    100M: each is what the CSVs give by hand (released_by_hand), and the published ones are the paper's figures."""
+    from released_shims import released_root
+
+    root, why = released_root()
+    if root is None:
+        pytest.skip(why)
+    results = root / "phasic_policy_gradient" / "results"
+    report = load_report()
+    monkeypatch.setattr(sys, "argv", ["report.py", "--released-only", "--released", str(results), "--reps", "50"])
+    report.main()
+    out = capsys.readouterr().out
+    assert "the mean of its CSV's last 10 rows (EpRewMean at 99,418,112 to 100,007,936 env steps" in out
+    printed = {}  # variant -> its score, from the rows "| e-aux | e-aux-1 0.642, e-aux-2 0.675, ... |"
+    header = "| experiment | mean normalised score at 100M, a variant each |"
+    rows = out[out.index(header) :].split("\n\n")[0].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "ppg",
+        "ppo",
+        "ppgkl",
+        "ppg-single-network",
+        "e-pi",
+        "e-aux",
+        "n-pi",
+    ]
+    for row in rows:
+        for cell in row.split("|")[2].split(","):
+            variant, score = cell.split()
+            printed[variant] = score
+    assert len(printed) == 20  # 1 + 1 + 1 + 1 + 6 + 5 + 5 variants
+    for variant, score in printed.items():  # a 3-run variant's folders are <variant>-run0..2, a 1-run one's <variant>
+        folders = [f"{variant}-run{i}" for i in range(3)] if (results / f"{variant}-run0").is_dir() else [variant]
+        assert score == f"{released_by_hand(results, folders):.3f}", variant
+    published = {"ppg": "0.754", "ppo": "0.588", "e-aux-1": "0.642", "e-aux-6": "0.743", "n-pi-2": "0.626"}
+    assert {v: printed[v] for v in published} == published  # the paper's figures and ppg-facts' reading of the CSVs
+    assert re.search(r"\| ppg \| ppg \| 3 \| 0\.754 \[0\.7\d\d, 0\.7\d\d\] \|", out)  # 3 runs: an interval
+    assert "| e-aux | e-aux-1 | 1 | 0.642 | " in out  # 1 run: none
+
+
+def test_an_experiment_report_puts_each_variant_beside_its_released_runs(tmp_path, monkeypatch, capsys):
+    """--experiment e-aux: a variant whose runs are the released run has its released column (the row of the step)
+    and its released mean normalised score at the same step and at 100M (the last 10 rows), over the runs' games; a
+    variant with one flag off has none, the flag named; a method of no variant of the experiment is left out, said;
+    the figure has a panel a game beside the aggregate, the released runs dashed from row 10 on."""
+    import matplotlib.figure
+
+    report, results, sweep = load_report(), tmp_path / "results", tmp_path / "e-aux"
+    for variant, slope in (("e-aux-1", 1.0), ("e-aux-6", 2.0)):  # row i of a released CSV: slope x i
+        (results / variant).mkdir(parents=True)
+        for game in ("bigfish", "starpilot"):
+            rows = "\n".join(str(slope * i) for i in range(20))
+            (results / variant / f"progress-{game}.csv").write_text("EpRewMean\n" + rows + "\n")
+    last = 15 * 65_536  # row 14 of the released CSVs
+    for seed, value in ((1, 20.0), (2, 30.0)):
+        for game in ("bigfish", "starpilot"):
+            write_run(sweep, game, "e-aux-1", seed, [value] * 100, last=last)
+    guarded = "--distribution-mode hard --num-envs 256 --aux-mb-trajectories 16 --e-aux 6 --aux-kl-stop 0.02"
+    for game in ("bigfish", "starpilot"):
+        write_run(sweep, game, "e-aux-6", 1, [10.0] * 100, last=last, flags=guarded)
+    write_run(sweep, "bigfish", "ppg", 1, [10.0] * 100, last=last)
+    drawn = []
+
+    def savefig(figure, *args, **kwargs):
+        drawn.append([(ax.get_title(), [line.get_linestyle() for line in ax.lines]) for ax in figure.axes])
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    argv = ["report.py", str(sweep), "--experiment", "e-aux", "--released", str(results), "--reps", "50"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--points", "3"])
+    report.main()
+    out = capsys.readouterr().out
+    assert "bigfish__ppg__1: ppg is not a variant of the experiment, left out" in out
+    assert "4 runs: " not in out and "6 runs: 2 games x methods ['e-aux-1', 'e-aux-6'], hard mode." in out
+    header = (
+        "| game | e-aux-1 (seeds, step, episodes a seed) | e-aux-1 released | e-aux-6 (seeds, step, episodes a seed) |"
+    )
+    assert header in out
+    assert "| bigfish | 25.00 (2, 983,040, 100) | 14.00 | 10.00 (1, 983,040, 100) |" in out  # released: row 14 of run 1
+    assert (
+        "(No released column beside e-aux-6: its runs are not the released run: --aux-kl-stop 0.02 (released: " in out
+    )
+    now = np.mean([(14 - 0) / 40, (14 - 1.5) / 33.5])  # the hard ranges: bigfish (0, 40), starpilot (1.5, 35)
+    final = np.mean([(14.5 - 0) / 40, (14.5 - 1.5) / 33.5])  # rows 10..19: 14.5
+    row = next(line for line in out.splitlines() if line.startswith("| e-aux-1 | 2 x 2 |"))
+    assert row.endswith(f" | {now:.3f} | {final:.3f} |"), row  # 1 released run: no interval
+    assert next(line for line in out.splitlines() if line.startswith("| e-aux-6 | 1 x 2 |")).endswith(" | - | - |")
+    (panels,) = drawn
+    assert [title for title, _ in panels[:2]] == ["bigfish", "starpilot"]
+    assert panels[0][1] == ["-", "--", "-"]  # e-aux-1 ours, its released runs, e-aux-6 ours
+    assert panels[2][1] == ["-", "--", "-"] and "dashed: released" in panels[2][0]  # the aggregate
+
+
+def report_out(folder, monkeypatch, capsys, *flags) -> str:
+    """What report.py prints for a sweep folder, in this process (its figure drawn but not written)."""
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *args, **kwargs: None)
+    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["report.py", str(folder), "--reps", "50", "--points", "3", *flags])
+    load_report().main()
+    return capsys.readouterr().out
+
+
+def test_runs_too_short_for_100_episodes_are_marked_and_not_ranked(tmp_path, monkeypatch, capsys):
+    """Runs that ended fewer than 100 episodes by the step: each cell gives the episodes its seeds averaged, marked
+    below 100; the aggregate gives no interval and no P(X > Y) and says the runs are too short to rank methods. Runs
+    of 100 episodes and more: cells say 100, intervals are given and the methods ranked where they do not overlap."""
+    short = tmp_path / "short"  # 768 env steps, as a tiny sweep: 4 to 11 episodes ended
+    for method, seed, episodes in (("ppg", 1, 4), ("ppg", 2, 11), ("ppo", 1, 10), ("ppo", 2, 10)):
+        write_run(short, "bigfish", method, seed, [1.0] * episodes, last=768)
+    out = report_out(short, monkeypatch, capsys)
+    assert "| game | ppg (seeds, step, episodes a seed) | ppo (seeds, step, episodes a seed) |" in out
+    assert "| bigfish | 1.00 (2, 768, 4-11 < 100) | 1.00 (2, 768, 10 < 100) |" in out
+    assert "Ours: a run's mean return over the episodes it had ended by the step, the last 100 at most" in out
+    assert "| ppg | 2 x 1 | 4-11 < 100 | 0.025 | 0.025 |" in out and "| ppo | 2 x 1 | 10 < 100 | 0.025 | 0.025 |" in out
+    assert (
+        "No interval where a run had ended fewer than 100 episodes by 768 env steps (ppg: 2 of 2 runs; ppo: 2 of 2 "
+        in out
+    )
+    assert "Ranking: none, the runs are too short: fewer than 100 episodes a run by 768 env steps." in out
+    assert (
+        "P(ppg > ppo) needs longer runs: at least 100 episodes a run by the step." in out
+        and "P(ppg > ppo) =" not in out
+    )
+
+    long = tmp_path / "long"  # 150 episodes a run by 2 x 65,536 steps
+    for method, seed, value in (("ppg", 1, 20.0), ("ppg", 2, 22.0), ("ppo", 1, 10.0), ("ppo", 2, 12.0)):
+        write_run(long, "bigfish", method, seed, [value] * 150, last=2 * 65_536)
+    out = report_out(long, monkeypatch, capsys)
+    assert "| bigfish | 21.00 (2, 131,072, 100) | 11.00 (2, 131,072, 100) |" in out
+    assert re.search(r"\| ppg \| 2 x 1 \| 100 \| 0\.525 \[\S+, \S+\] \| 0\.525 \[\S+, \S+\] \|", out), out
+    assert "Ranking by the mean (~: their 95% intervals overlap, so these runs do not order them): ppg > ppo" in out
+    assert "P(ppg > ppo) = 1.000" in out and "No interval" not in out
+
+
+def test_a_method_or_seed_left_out_of_the_aggregate_says_why(tmp_path, monkeypatch, capsys):
+    """A method with no seed in every game, a method with a run that had ended no episode by the step, and a seed
+    missing a game are each left out of the aggregate in a line that says why; one seed a method is too few to rank."""
+    sweep = tmp_path / "sweep"
+    for game in ("bigfish", "starpilot"):
+        write_run(sweep, game, "ppg", 1, [10.0] * 100, last=65_536)
+        write_run(sweep, game, "e-aux-2", 1, [10.0] * 100 if game == "bigfish" else [], last=65_536)
+    write_run(sweep, "bigfish", "ppg", 2, [12.0] * 100, last=65_536)  # seed 2 has no starpilot run
+    write_run(sweep, "bigfish", "ppo", 1, [8.0] * 100, last=65_536)  # ppo has no starpilot run
+    out = report_out(sweep, monkeypatch, capsys)
+    assert "| ppg | 1 x 2 | 100 | " in out and "| ppo |" not in out.split("Aggregate")[1]
+    assert "ppo is left out of the aggregate: no seed has a run in every game (none in starpilot)." in out
+    assert "e-aux-2 is left out of the aggregate: no episode had ended by 65,536 env steps in starpilot seed 1." in out
+    assert "ppg seed 2 is left out of the aggregate: it has no run in starpilot." in out
+    assert "Ranking: none, too few seeds: ppg has 1 seed in every game (an interval needs 2)." in out

@@ -53,6 +53,36 @@ def test_summarise_run_stops_in_one_line_on_a_folder_without_a_runs_log_or_a_win
     assert done.returncode == 1 and done.stderr.strip() == "error: --window must be at least 1 (got 0)", done.stderr
 
 
+def test_summarise_run_reads_a_sweep_run_folder_from_its_run_inside(tmp_path):
+    """A run of tools/sweep.py (runs/<name>/<game>__<method>__<seed>) holds the script's runs/<run_name>/ one level
+    down: summarise_run reads that, says which, and gives the same figures as when named directly; a folder with two
+    run folders inside stops in one line asking for one."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    job = tmp_path / "tiny" / "bigfish__ppg__1"
+    writer = SummaryWriter(str(job / "runs" / "bigfish__ppg__1__1796000000"))
+    for i in range(10):  # returns 0..9 at steps 100, 200, ..., 1000
+        writer.add_scalar("charts/episodic_return", float(i), (i + 1) * 100)
+    writer.add_scalar("charts/SPS", 77.0, 1000)
+    writer.close()
+    (job / "train.log").write_text("a sweep's log beside the runs folder\n")
+
+    def summarise(folder):
+        command = [sys.executable, str(ROOT / "tools" / "summarise_run.py"), str(folder), "--at", "500"]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    done = summarise(job)
+    assert done.returncode == 0, done.stderr
+    inner = job / "runs" / "bigfish__ppg__1__1796000000"
+    assert done.stdout.splitlines()[0] == f"reading {inner}"
+    assert "500 steps: mean return    2.00 over the last 5 episodes" in done.stdout  # returns 0..4
+    assert done.stdout.splitlines()[1:] == summarise(inner).stdout.splitlines()
+    SummaryWriter(str(job / "runs" / "bigfish__ppg__1__1796000001")).close()  # a second run folder: which one?
+    done = summarise(job)
+    assert done.returncode == 1 and done.stderr.strip().startswith(f"error: {job}: holds 2 run folders ("), done.stderr
+    assert done.stderr.strip().endswith("): name one of them")
+
+
 def _write_run(run_dir, offset: float) -> None:
     from torch.utils.tensorboard import SummaryWriter
 

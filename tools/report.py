@@ -1,26 +1,35 @@
-"""A sweep's report: a per-game table, the aggregate normalised score with rliable's intervals, and one figure.
+"""A sweep's report beside the released runs: a per-game table, the mean normalised score with rliable's intervals,
+and one figure in the layout of the released graph.py.
 
-    python tools/report.py runs/paper                        # a folder of tools/sweep.py: <game>__<method>__<seed>/
-    python tools/report.py runs/paper --released $PPG_RELEASED_CODE/phasic_policy_gradient/results --reps 50000
+    python tools/report.py runs/paper                       # a folder of tools/sweep.py: <game>__<method>__<seed>/
+    python tools/report.py runs/e-aux --experiment e-aux    # one of tools/experiments.py's seven experiments
+    python tools/report.py --released-only                  # the released runs alone: every experiment at 100M
+    python tools/report.py --released-only --experiment e-aux --out e-aux   # one experiment, per game, a figure
+
+The released results (phasic_policy_gradient/results/<folder>/progress-<game>.csv of the authors' code: hard mode,
+100M env steps, one EpRewMean row every 65,536 env steps) are --released, or
+$PPG_RELEASED_CODE/phasic_policy_gradient/results. A method is a variant of tools/experiments.py by its name (ppg,
+ppo, e-aux-2, ...), and its released figures stand beside its runs only where every flag that makes a run the
+released one is the released value (RELEASED_RUN: the batch, the levels, the hyperparameters, the variant's own flags
+and no KL guard).
 
 1. Per game and method: the mean over seeds of each seed's mean return over its last 100 episodes, at the last env
-   step every seed of that game and method reached. Beside it, the released code's figure at the same step (the mean
-   of its 3 runs; row i of a released progress-GAME.csv is at (i + 1) x 65,536 env steps) where the protocol matches:
-   hard mode at the paper's batch in one process (--num-envs 256 --aux-mb-trajectories 16). Its results folder is
-   --released, or $PPG_RELEASED_CODE/phasic_policy_gradient/results.
-2. Over games, per method: the Procgen-normalised score (tools/scores.py, the runs' --distribution-mode) at the last
-   step every run reached, as rliable's IQM and mean with 95% stratified-bootstrap confidence intervals (a runs x
-   games matrix, a row a seed), and rliable's probability that one method beats the other (--compare, default
-   ppg ppo). An interval needs at least 2 seeds of the method in every game (with one, the bootstrap has nothing to
-   resample): with fewer the report gives the point estimate and says so.
-3. One figure, the layout of the paper's main figure: the aggregate normalised score (--metric, default mean)
-   against env steps, a line a method with its 95% interval band (where it has 2 seeds or more); its title gives the
-   game count, the seeds a method, and which lines have bands.
+   step every seed of that game and method reached; beside it the released runs' EpRewMean at the row of that step
+   (row i is at (i + 1) x 65,536 env steps), the mean over the variant's released runs.
+2. Over games, per method: the normalised score (tools/scores.py, the runs' --distribution-mode) at the last step
+   every run reached, as rliable's IQM and mean with 95% stratified-bootstrap confidence intervals (a runs x games
+   matrix, a row a seed) where a method has 2 seeds or more in every game, and rliable's probability that one method
+   beats the other (--compare); beside it the released runs' mean at the same step and at 100M (the mean of each
+   CSV's last 10 rows), over the same games.
+3. One figure: a panel a game and the aggregate normalised score (--metric, default mean) against env steps, a line a
+   method (solid: ours, with its 95% band where it has 2 seeds or more; dashed: the released runs, first 10 rows
+   dropped and smoothed as the released graph.py draws them).
 Writes <folder>/report.md and <folder>/report.png (or --out STEM); prints the report. rliable is imported here only.
 """
 
 import argparse
 import glob
+import math
 import os
 import pathlib
 import sys
@@ -30,11 +39,51 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from experiments import EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
+FIRST_VALID = 10  # the released graph.py drops each CSV's first 10 rows (its episode buffers are still filling)
+SMOOTHING = 0.9  # ... and smooths the rest by an exponential moving average of this weight
+FINAL_ROWS = 10  # the released figure "at 100M": the mean of each CSV's last 10 rows (99.4M to 100M env steps)
+WINDOW = 100  # episodes a run's figure averages (the released code's EpRewMean: 100 episodes of each worker)
 MIN_SEEDS = 2  # a method's seeds in every game for an interval: with one, every bootstrap resample is the same
+GAMES = sorted(NORMALISATION["hard"])  # the 16 Procgen games, each a released CSV
+
+# Every flag of ppg_procgen.py that makes a run the released one, at the released train.py's values (its README runs
+# `mpiexec -np 4`: 4 workers x 64 envs, 4 x 4 aux trajectories, in one process 256 and 16); a variant's own flags
+# (tools/experiments.py) replace these. total_timesteps is not among them: a shorter run is compared at its own step.
+RELEASED_RUN = dict(
+    distribution_mode="hard",
+    num_levels=0,  # the full level distribution, from level 0 (envs.py's defaults)
+    start_level=0,
+    num_envs=256,
+    aux_mb_trajectories=16,
+    num_steps=256,
+    gamma=0.999,
+    gae_lambda=0.95,
+    learning_rate=5e-4,  # lr and aux_lr
+    anneal_lr=False,
+    num_minibatches=8,
+    clip_coef=0.2,
+    kl_penalty=0.0,
+    ent_coef=0.01,
+    norm_reward=True,  # reward_normalizer.py, its return discounted by 0.99
+    reward_norm_gamma=0.99,
+    max_grad_norm=0.0,  # no gradient clipping
+    arch="dual",
+    n_pi=32,
+    e_pi=1,
+    e_v=1,
+    e_aux=6,
+    beta_clone=1.0,
+    aux_kl_stop=0.0,  # no KL guard in the released code
+)
+# variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
+VARIANTS = {
+    name: (flags, exp["released"][name]) for exp in EXPERIMENTS.values() for name, flags in exp["variants"].items()
+}
 
 
 def count(n: int, noun: str) -> str:
@@ -51,13 +100,38 @@ def seeds_a_method(seeds: dict) -> str:
     return "seeds " + ", ".join(f"{m} {n}" for m, n in seeds.items())
 
 
-def read_runs(folder: pathlib.Path) -> list:
-    """Every run of a sweep folder: game, method, seed, flags, and its episodes' (steps, returns) and last step."""
+def released_flags(variant: str) -> dict:
+    """The flags of the released runs of `variant`: RELEASED_RUN with the variant's own flags ("--e-aux 2") over it."""
+    flags, words = dict(RELEASED_RUN), VARIANTS[variant][0].split()
+    for name, value in zip(words[::2], words[1::2]):
+        key = name[2:].replace("-", "_")
+        flags[key] = type(RELEASED_RUN[key])(value)  # the type of the released value: "3" -> 3, "0" -> 0.0
+    return flags
+
+
+def differences_from_released(run: dict) -> list:
+    """Why a run is not the released run of its method: ['--num-envs 64 (released: 256)', ...]; [] if it is."""
+    if run["method"] not in VARIANTS:
+        return [f"no released variant is named {run['method']}"]
+    differences = []
+    for name, want in released_flags(run["method"]).items():
+        have = run["flags"].get(name, "not in its checkpoint")
+        if have != want:
+            differences.append(f"--{name.replace('_', '-')} {have} (released: {want})")
+    return differences
+
+
+def read_runs(folder: pathlib.Path, methods=None) -> list:
+    """Every run of a sweep folder: game, method, seed, flags, and its episodes' (steps, returns) and last step.
+    `methods`: the methods to read (None: all)."""
     runs = []
     for job in sorted(folder.glob("*__*__*")):
         game, method, seed = job.name.rsplit("__", 2)
         if not seed.isdigit():  # a folder kept aside (bigfish__ppg__1.old) is not one of the sweep's runs
             print(f"{job.name}: not a <game>__<method>__<seed> folder, left out")
+            continue
+        if methods is not None and method not in methods:
+            print(f"{job.name}: {method} is not a variant of the experiment, left out")
             continue
         found = sorted(glob.glob(f"{job}/runs/*/checkpoint.pt"))
         if not found:
@@ -88,32 +162,66 @@ def read_runs(folder: pathlib.Path) -> list:
     return runs
 
 
-def mean_return_at(run: dict, step: int, window: int = 100) -> float:
+def mean_return_at(run: dict, step: int, window: int = WINDOW) -> float:
     """The mean return of the run's last `window` episodes up to `step` (NaN if none had ended)."""
     ended = run["returns"][run["steps"] <= step][-window:]
     return float(ended.mean()) if len(ended) else float("nan")
 
 
+def episodes_at(run: dict, step: int) -> int:
+    """How many episodes the run's figure at `step` averages: those it had ended by then, WINDOW at most."""
+    return min(WINDOW, int((run["steps"] <= step).sum()))
+
+
+def episode_counts(counts: list) -> str:
+    """'100' where every run's figure averages WINDOW episodes, else the fewest to the most, marked: '4-11 < 100'."""
+    low, high = min(counts), max(counts)
+    if low >= WINDOW:
+        return str(WINDOW)
+    return f"{low if low == high else f'{low}-{high}'} < {WINDOW}"
+
+
+def released_rows(results: pathlib.Path, folders: list, game: str):
+    """(runs, rows) EpRewMean of the variant's released runs in `game`, or None where a CSV is missing."""
+    paths = [results / folder / f"progress-{game}.csv" for folder in folders]
+    if not all(path.is_file() for path in paths):
+        return None
+    columns = [np.loadtxt(path, delimiter=",", skiprows=1, ndmin=1) for path in paths]
+    rows = min(len(c) for c in columns)
+    return np.array([c[:rows] for c in columns])
+
+
 def released_return(results: pathlib.Path, method: str, game: str, step: int):
-    """The released code's mean over its runs of EpRewMean at the row of `step`, or None (no such row or file)."""
-    row, values = step // STEPS_PER_RELEASED_ROW - 1, []
-    for path in sorted(results.glob(f"{method}-run*/progress-{game}.csv")):
-        column = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=1)
-        if 0 <= row < len(column):
-            values.append(column[row])
-    return float(np.mean(values)) if values else None
+    """The mean over the released runs of `method` of EpRewMean at the row of `step`, or None (no such row or file)."""
+    rows = released_rows(results, VARIANTS[method][1], game) if method in VARIANTS else None
+    row = step // STEPS_PER_RELEASED_ROW - 1
+    return None if rows is None or not 0 <= row < rows.shape[1] else float(rows[:, row].mean())
 
 
-def paper_protocol(run: dict) -> bool:
-    flags = run["flags"]
-    return flags["distribution_mode"] == "hard" and flags["num_envs"] == 256 and flags["aux_mb_trajectories"] == 16
+def released_matrix(results: pathlib.Path, method: str, games: list, step=None):
+    """(released runs, games) hard-normalised scores of `method`: at the row of `step`, or (None) the mean of each
+    CSV's last FINAL_ROWS rows; None where a CSV or the row is missing."""
+    columns = []
+    for game in games:
+        rows = released_rows(results, VARIANTS[method][1], game)
+        row = None if step is None else step // STEPS_PER_RELEASED_ROW - 1
+        if rows is None or (row is not None and not 0 <= row < rows.shape[1]):
+            return None
+        values = rows[:, -FINAL_ROWS:].mean(axis=1) if row is None else rows[:, row]
+        columns.append(normalised_score(game, "hard", values))
+    return np.array(columns).T
+
+
+def common_seeds(runs: list, method: str, games: list) -> list:
+    """The seeds of a method that have a run in every game, in order."""
+    return sorted(
+        set.intersection(*({r["seed"] for r in runs if r["method"] == method and r["game"] == g} for g in games))
+    )
 
 
 def score_matrix(runs: list, method: str, games: list, step: int) -> np.ndarray:
     """(seeds, games) normalised scores of a method at `step`: the seeds every game has, in order."""
-    seeds = sorted(
-        set.intersection(*({r["seed"] for r in runs if r["method"] == method and r["game"] == g} for g in games))
-    )
+    seeds = common_seeds(runs, method, games)
     matrix = np.full((len(seeds), len(games)), np.nan)
     for r in runs:
         if r["method"] == method and r["game"] in games and r["seed"] in seeds:
@@ -147,9 +255,165 @@ def probability_of_improvement(x: np.ndarray, y: np.ndarray, reps: int, seed: in
     return float(point["x,y"]), interval["x,y"].ravel()
 
 
+def with_interval(point: float, interval, runs: int) -> str:
+    """'0.754 [0.741, 0.766]' where the figure has MIN_SEEDS runs or more, else '0.754'."""
+    return f"{point:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]" if runs >= MIN_SEEDS else f"{point:.3f}"
+
+
+def smoothed(values: np.ndarray, weight: float = SMOOTHING) -> np.ndarray:
+    """An exponential moving average along the last axis that starts at the first value (the released graph.py's)."""
+    out = np.array(values, dtype=float)
+    for i in range(1, out.shape[-1]):
+        out[..., i] = weight * out[..., i - 1] + (1 - weight) * out[..., i]
+    return out
+
+
+def released_curve(results: pathlib.Path, method: str, games: list, last_step: int, metric: int):
+    """(steps, values) of the released runs as the released graph.py draws them, up to `last_step`: rows from
+    FIRST_VALID on, smoothed. One game: the mean EpRewMean; several: the aggregate normalised score (metric 0 IQM,
+    1 mean over the runs x games matrix of each row). None where a CSV is missing or no row is drawn yet."""
+    from rliable import metrics
+
+    stacks = [released_rows(results, VARIANTS[method][1], game) for game in games]
+    if any(rows is None for rows in stacks):
+        return None
+    rows = min(min(rows.shape[1] for rows in stacks), last_step // STEPS_PER_RELEASED_ROW)
+    if rows <= FIRST_VALID:
+        return None
+    if len(games) == 1:
+        values = stacks[0][:, FIRST_VALID:rows].mean(axis=0)
+    else:
+        scores = np.stack([normalised_score(g, "hard", s[:, FIRST_VALID:rows]) for g, s in zip(games, stacks)], axis=1)
+        aggregate = metrics.aggregate_iqm if metric == 0 else metrics.aggregate_mean
+        values = np.array([aggregate(scores[:, :, i]) for i in range(scores.shape[2])])
+    return (np.arange(FIRST_VALID, rows) + 1) * STEPS_PER_RELEASED_ROW, smoothed(values)
+
+
+def draw(
+    path, title: str, games: list, methods: list, ours: dict, results, released: list, metric: int, end: int, mode
+):
+    """The figure in the released graph.py's layout: a square grid of per-game panels and, beside it, the aggregate
+    normalised score; a colour a method, ours solid (its band where `ours` gives one), dashed the released runs of the
+    methods in `released`, up to env step `end`.
+    ours: {method: {"games": {game: (steps, means)}, "aggregate": (steps, values, lows, highs or None)}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    side = math.ceil(math.sqrt(len(games)))
+    fig = plt.figure(figsize=(5 * side + 2, 2.6 * side + 1))
+    grid = fig.add_gridspec(side, 2 * side)
+    panels = {game: fig.add_subplot(grid[i // side, i % side]) for i, game in enumerate(games)}
+    aggregate = fig.add_subplot(grid[:, side:])
+    colours = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    for m in methods:
+        drawn = ours.get(m)
+        for game, ax in panels.items():
+            if drawn and game in drawn["games"]:
+                ax.plot(*drawn["games"][game], color=colours[m])
+            if m in released and (curve := released_curve(results, m, [game], end, metric)):
+                ax.plot(curve[0] / 1e6, curve[1], color=colours[m], linestyle="--")
+        if drawn and drawn["aggregate"]:
+            xs, ys, lows, highs = drawn["aggregate"]
+            aggregate.plot(xs, ys, color=colours[m], label=m)
+            if lows is not None:
+                aggregate.fill_between(xs, lows, highs, color=colours[m], alpha=0.25)
+        if m in released and (curve := released_curve(results, m, games, end, metric)):
+            aggregate.plot(curve[0] / 1e6, curve[1], color=colours[m], linestyle="--", label=f"{m}, released")
+    for game, ax in panels.items():
+        ax.set_title(game, fontsize=10)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    aggregate.set_xlabel("env steps (M)")
+    aggregate.set_ylabel(f"{'IQM' if metric == 0 else 'mean'} normalised score ({mode}, {count(len(games), 'game')})")
+    aggregate.set_title(title, fontsize=10)
+    if aggregate.lines:
+        aggregate.legend(fontsize=8)
+    aggregate.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def released_results(given):
+    """The released results folder: --released, or $PPG_RELEASED_CODE's; None if neither is a folder."""
+    if given is None and os.environ.get("PPG_RELEASED_CODE"):
+        given = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
+    return given if given is not None and given.is_dir() else None
+
+
+def released_only(opts, results: pathlib.Path) -> None:
+    """The released runs alone: each variant's mean normalised score at 100M over the 16 games (and with --experiment,
+    its per-game returns and the figure)."""
+    names = [opts.experiment] if opts.experiment else list(EXPERIMENTS)
+    final = {v: released_matrix(results, v, GAMES) for name in names for v in EXPERIMENTS[name]["variants"]}
+    if missing := [v for v, matrix in final.items() if matrix is None]:
+        sys.exit(f"error: {results}: no CSV of every game for {missing} (a released results folder holds them)")
+    points, intervals = interval_estimates(final, opts.reps)
+    rows = min(released_rows(results, VARIANTS[v][1], g).shape[1] for v in final for g in GAMES)
+    first, last = (rows - FINAL_ROWS + 1) * STEPS_PER_RELEASED_ROW, rows * STEPS_PER_RELEASED_ROW
+    lines = [
+        "# The released runs at 100M env steps",
+        "",
+        f"Hard mode, the {len(GAMES)} games. A run's figure in a game: the mean of its CSV's last {FINAL_ROWS} rows "
+        f"(EpRewMean at {first:,} to {last:,} env steps, each row the mean of the last {WINDOW} episodes of each of "
+        f"the 4 workers), normalised by the Procgen paper's hard ranges; a variant's score: the mean over its runs "
+        f"and the games (IQM: rliable's), with 95% stratified-bootstrap CIs ({opts.reps:,} resamples) where it has "
+        f"{MIN_SEEDS} runs or more.",
+        "",
+        "| experiment | variant | released runs | mean [95% CI] | IQM [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
+    for name in names:
+        for v in EXPERIMENTS[name]["variants"]:
+            runs = final[v].shape[0]
+            (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[v]
+            mean = with_interval(points[v][1], (mean_lo, mean_hi), runs)
+            lines.append(f"| {name} | {v} | {runs} | {mean} | {with_interval(points[v][0], (iqm_lo, iqm_hi), runs)} |")
+    lines += ["", "| experiment | mean normalised score at 100M, a variant each |", "|---|---|"]
+    for name in names:
+        cells = ", ".join(f"{v} {points[v][1]:.3f}" for v in EXPERIMENTS[name]["variants"])
+        lines.append(f"| {name} | {cells} |")
+    if opts.experiment:
+        variants = list(EXPERIMENTS[opts.experiment]["variants"])
+        lines += [
+            "",
+            f"EpRewMean per game (the mean of each CSV's last {FINAL_ROWS} rows, over the variant's runs):",
+            "",
+        ]
+        lines += ["| game | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+        for game in GAMES:
+            cells = [f"{released_rows(results, VARIANTS[v][1], game)[:, -FINAL_ROWS:].mean():.2f}" for v in variants]
+            lines.append(f"| {game} | " + " | ".join(cells) + " |")
+    if opts.out:
+        if opts.experiment:
+            title = f"the released runs of {opts.experiment}\nfirst {FIRST_VALID} rows dropped, smoothed {SMOOTHING}"
+            metric = 0 if opts.metric == "iqm" else 1
+            draw(
+                f"{opts.out}.png",
+                title,
+                GAMES,
+                list(final),
+                {},
+                results,
+                list(final),
+                metric,
+                rows * STEPS_PER_RELEASED_ROW,
+                "hard",
+            )
+            lines += ["", f"![the released runs]({pathlib.Path(opts.out).name}.png)"]
+        pathlib.Path(f"{opts.out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("folder", type=pathlib.Path, help="a sweep's folder, runs/<name>")
+    parser.add_argument("folder", type=pathlib.Path, nargs="?", help="a sweep's folder, runs/<name>")
+    parser.add_argument(
+        "--experiment", choices=list(EXPERIMENTS), default=None, help="report the variants of this experiment"
+    )
+    parser.add_argument("--released-only", action="store_true", help="the released runs alone, without a folder")
     parser.add_argument(
         "--released",
         type=pathlib.Path,
@@ -172,17 +436,29 @@ def main() -> None:
         sys.exit(f"error: --reps must be at least 1 (got {opts.reps})")
     if opts.points < 2:
         sys.exit(f"error: --points must be at least 2: a curve needs two (got {opts.points})")
+    results = released_results(opts.released)
+    if opts.released_only:
+        if opts.folder is not None:
+            sys.exit(f"error: --released-only reports no folder ({opts.folder}): drop one of them")
+        if results is None:
+            sys.exit("error: --released-only: no released results folder (--released DIR or $PPG_RELEASED_CODE)")
+        return released_only(opts, results)
+    if opts.folder is None:
+        sys.exit("error: no folder given: tools/report.py runs/<name> (or --released-only)")
     if not opts.folder.is_dir():
         sys.exit(f"error: {opts.folder}: not a folder")
-    runs = read_runs(opts.folder)
+    variants = list(EXPERIMENTS[opts.experiment]["variants"]) if opts.experiment else None
+    runs = read_runs(opts.folder, variants)
     if not runs:
         sys.exit(
             f"error: {opts.folder}: no run with a checkpoint (a tools/sweep.py folder holds <game>__<method>__<seed>/)"
         )
-    released = opts.released
-    if released is None and os.environ.get("PPG_RELEASED_CODE"):
-        released = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
-    games, methods = sorted({r["game"] for r in runs}), sorted({r["method"] for r in runs})
+    games = sorted({r["game"] for r in runs})
+    methods = (
+        [m for m in variants if any(r["method"] == m for r in runs)]
+        if variants
+        else sorted({r["method"] for r in runs})
+    )
     if not all("distribution_mode" in r["flags"] for r in runs):  # scores are normalised by Procgen's ranges
         sys.exit(f"error: {opts.folder}: Procgen sweeps only (an Atari run: tools/summarise_run.py, plot_runs.py)")
     modes = {r["flags"]["distribution_mode"] for r in runs}
@@ -191,64 +467,156 @@ def main() -> None:
     mode = modes.pop()
     if unknown := [g for g in games if g not in NORMALISATION[mode]]:
         sys.exit(f"error: {opts.folder}: {unknown} have no Procgen normalisation range")
+    # a method's released figures stand beside it only where each of its runs is the released run of its variant
+    differences = {
+        m: sorted({d for r in runs if r["method"] == m for d in differences_from_released(r)}) for m in methods
+    }
+    beside = [m for m in methods if results is not None and not differences[m]]
+    experiment = f" (experiment {opts.experiment})" if opts.experiment else ""
     lines = [
-        f"# Report of {opts.folder}",
+        f"# Report of {opts.folder}{experiment}",
         "",
         f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, {mode} mode.",
+        "",
+        f"Ours: a run's mean return over the episodes it had ended by the step, the last {WINDOW} at most (each "
+        f"figure says how many, < {WINDOW} marking fewer), a method's the mean over its seeds. "
+        f"Released: EpRewMean at the row of the step (a row: the last {WINDOW} episodes of each of the released code's "
+        f"4 workers), the mean over the variant's released runs; at 100M: the mean of each CSV's last {FINAL_ROWS} "
+        "rows.",
         "",
     ]
 
     # 1. The per-game table
-    header = "| game | " + " | ".join(f"{m} (seeds, step)" for m in methods)
-    columns = [m for m in methods if m in ("ppg", "ppo")]
-    protocol = all(paper_protocol(r) for r in runs) and released is not None and released.is_dir()
-    header += "".join(f" | released {m}" for m in columns) if protocol else ""
+    header = "| game | " + " | ".join(
+        f"{m} (seeds, step, episodes a seed)" + (f" | {m} released" if m in beside else "") for m in methods
+    )
     lines += [header + " |", "|" + "---|" * (header.count("|"))]
+    released_steps, marked = [], False  # the steps the released figures are read at; a figure of < WINDOW episodes
     for game in games:
-        own_cells, released_cells = [], []
+        cells = []
         for method in methods:
             own = [r for r in runs if r["game"] == game and r["method"] == method]
             step = min((r["last"] for r in own), default=0)
             means = [mean_return_at(r, step) for r in own]
             mean = f"{np.mean(means):.2f}" if own and not np.isnan(means).any() else "no episode ended in a seed"
-            own_cells.append("-" if not own else f"{mean} ({len(own)}, {step:,})")
-            if protocol and method in columns:
-                found = released_return(released, method, game, step) if own else None
-                released_cells.append("-" if found is None else f"{found:.2f}")
-        lines.append(f"| {game} | " + " | ".join(own_cells + released_cells) + " |")
-    if not protocol:
-        why = (
-            "no released results folder given"
-            if released is None or not released.is_dir()
-            else "the runs are not the paper's protocol (hard, --num-envs 256, --aux-mb-trajectories 16)"
-        )
-        lines += ["", f"(No released-code column: {why}.)"]
+            episodes = episode_counts([episodes_at(r, step) for r in own]) if own else ""
+            marked = marked or "<" in episodes
+            cells.append("-" if not own else f"{mean} ({len(own)}, {step:,}, {episodes})")
+            if method in beside:
+                found = released_return(results, method, game, step) if own else None
+                cells.append("-" if found is None else f"{found:.2f}")
+                released_steps += [step] if own else []
+        lines.append(f"| {game} | " + " | ".join(cells) + " |")
+    if marked:
+        lines += [
+            "",
+            f"(A figure marked < {WINDOW} averages fewer than {WINDOW} episodes in a seed: by that step the run had "
+            f"not ended {WINDOW}, so it is not the {WINDOW}-episode mean of the others.)",
+        ]
+    if results is None:
+        lines += ["", "(No released column: no released results folder given.)"]
+    for m in methods:
+        if results is not None and differences[m]:
+            lines += [
+                "",
+                f"(No released column beside {m}: its runs are not the released run: {'; '.join(differences[m])}.)",
+            ]
 
-    # 2. The aggregate at the last step every run reached
+    # 2. The aggregate at the last step every run reached: a runs x games matrix a method, of the seeds in every game
     step = min(r["last"] for r in runs)
-    score_dict = {m: score_matrix(runs, m, games, step) for m in methods}
-    score_dict = {m: s for m, s in score_dict.items() if len(s) and not np.isnan(s).any()}
+    score_dict, left_out, counts = {}, [], {}
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        kept = common_seeds(runs, m, games)
+        if missing := [g for g in games if not any(r["game"] == g for r in mine)]:
+            left_out.append(
+                f"{m} is left out of the aggregate: no seed has a run in every game (none in {', '.join(missing)})."
+            )
+            continue
+        if not kept:
+            left_out.append(f"{m} is left out of the aggregate: no seed has a run in every game.")
+            continue
+        for seed in sorted({r["seed"] for r in mine} - set(kept)):
+            lacks = [g for g in games if not any(r["game"] == g and r["seed"] == seed for r in mine)]
+            left_out.append(f"{m} seed {seed} is left out of the aggregate: it has no run in {', '.join(lacks)}.")
+        mine = [r for r in mine if r["seed"] in kept]
+        if empty := [f"{r['game']} seed {r['seed']}" for r in mine if episodes_at(r, step) == 0]:
+            left_out.append(
+                f"{m} is left out of the aggregate: no episode had ended by {step:,} env steps in {', '.join(empty)}."
+            )
+            continue
+        score_dict[m] = score_matrix(runs, m, games, step)
+        counts[m] = [episodes_at(r, step) for r in mine]
     seeds = {m: s.shape[0] for m, s in score_dict.items()}  # the seeds every game has, per method
+    short = {m: sum(c < WINDOW for c in counts[m]) for m in score_dict}  # runs of fewer than WINDOW episodes
+    banded = {m: seeds[m] >= MIN_SEEDS and not short[m] for m in score_dict}  # those with an interval
     lines += [
         "",
         f"Aggregate {mode}-normalised score over the {count(len(games), 'game')} at {step:,} env steps (95% "
-        f"stratified-bootstrap CIs, {opts.reps:,} resamples, where a method has {MIN_SEEDS} seeds or more):",
+        f"stratified-bootstrap CIs, {opts.reps:,} resamples, where a method has {MIN_SEEDS} seeds or more); the "
+        f"released runs over the same games, at the same step and at 100M:",
         "",
     ]
-    lines += ["| method | seeds x games | IQM [95% CI] | mean [95% CI] |", "|---|---|---|---|"]
+    lines += [
+        "| method | seeds x games | episodes a run | IQM [95% CI] | mean [95% CI] | released mean, same step | "
+        "released mean at 100M |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    released_now = {m: released_matrix(results, m, games, step) for m in score_dict if m in beside}
+    released_final = {m: released_matrix(results, m, games) for m in score_dict if m in beside}
+    released_final = {m: s for m, s in released_final.items() if s is not None}
     if score_dict:
         points, intervals = interval_estimates(score_dict, opts.reps)
+        final_points, final_intervals = interval_estimates(released_final, opts.reps) if released_final else ({}, {})
         for m in score_dict:
             (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[m]
-            iqm, mean = f"{points[m][0]:.3f}", f"{points[m][1]:.3f}"
-            if seeds[m] >= MIN_SEEDS:
-                iqm, mean = f"{iqm} [{iqm_lo:.3f}, {iqm_hi:.3f}]", f"{mean} [{mean_lo:.3f}, {mean_hi:.3f}]"
-            lines.append(f"| {m} | {seeds[m]} x {score_dict[m].shape[1]} | {iqm} | {mean} |")
+            iqm = with_interval(points[m][0], (iqm_lo, iqm_hi), seeds[m] if banded[m] else 0)
+            mean = with_interval(points[m][1], (mean_lo, mean_hi), seeds[m] if banded[m] else 0)
+            now = "-" if released_now.get(m) is None else f"{released_now[m].mean():.3f}"
+            final = "-"
+            if m in final_points:
+                final = with_interval(final_points[m][1], final_intervals[m][:, 1], released_final[m].shape[0])
+            matrix = f"{seeds[m]} x {score_dict[m].shape[1]}"
+            lines.append(f"| {m} | {matrix} | {episode_counts(counts[m])} | {iqm} | {mean} | {now} | {final} |")
+        released_steps += [step] if released_now else []
+    lines += [line for why in left_out for line in ("", why)]
     if few := [f"{m} has {count(n, 'seed')}" for m, n in seeds.items() if n < MIN_SEEDS]:
         lines += ["", f"No interval where a method has fewer than {MIN_SEEDS} seeds in every game ({', '.join(few)})."]
+    if shorts := [f"{m}: {short[m]} of {len(counts[m])} runs" for m in score_dict if short[m]]:
+        lines += [
+            "",
+            f"No interval where a run had ended fewer than {WINDOW} episodes by {step:,} env steps "
+            f"({'; '.join(shorts)}).",
+        ]
+    if shorts:
+        lines += [
+            "",
+            f"Ranking: none, the runs are too short: fewer than {WINDOW} episodes a run by {step:,} env steps.",
+        ]
+    elif few:
+        lines += ["", f"Ranking: none, too few seeds: {', '.join(few)} in every game (an interval needs {MIN_SEEDS})."]
+    elif len(score_dict) > 1:
+        order = sorted(score_dict, key=lambda m: -points[m][1])
+        ranking = order[0]
+        for above, below in zip(order, order[1:]):  # neighbours apart where their intervals do not overlap
+            ranking += f" {'>' if intervals[above][0][1] > intervals[below][1][1] else '~'} {below}"
+        lines += [
+            "",
+            f"Ranking by the mean (~: their 95% intervals overlap, so these runs do not order them): {ranking}",
+        ]
+    if any(s < STEPS_PER_RELEASED_ROW for s in released_steps):
+        lines += ["", f"(No released figure below {STEPS_PER_RELEASED_ROW:,} env steps: the CSVs' first row is there.)"]
+    if any(STEPS_PER_RELEASED_ROW <= s < (FIRST_VALID + 1) * STEPS_PER_RELEASED_ROW for s in released_steps):
+        lines += [
+            "",
+            f"(Released figures below {(FIRST_VALID + 1) * STEPS_PER_RELEASED_ROW:,} env steps come from the CSVs' "
+            f"first {FIRST_VALID} rows, which the released graph.py drops: their episode buffers were still filling.)",
+        ]
     x, y = opts.compare
     if x in score_dict and y in score_dict:
-        if min(seeds[x], seeds[y]) < MIN_SEEDS:
+        if short[x] or short[y]:
+            lines += ["", f"P({x} > {y}) needs longer runs: at least {WINDOW} episodes a run by the step."]
+        elif min(seeds[x], seeds[y]) < MIN_SEEDS:
             lines += ["", f"P({x} > {y}) needs more seeds: at least {MIN_SEEDS} of each method in every game."]
         elif score_dict[x].shape != score_dict[y].shape:
             lines += ["", f"P({x} > {y}) needs the same seeds x games of both ({seeds[x]} and {seeds[y]} seeds)."]
@@ -257,16 +625,20 @@ def main() -> None:
             lines += ["", f"P({x} > {y}) = {p:.3f} [95% CI {lo:.3f}, {hi:.3f}] (rliable's probability of improvement)"]
 
     # 3. The figure
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     grid = np.unique(np.linspace(0, step, opts.points + 1)[1:].astype(int))
     which = 0 if opts.metric == "iqm" else 1
-    fig, ax = plt.subplots(figsize=(6, 4))
-    banded = []  # the methods drawn with an interval band
-    for m in sorted(score_dict):
+    ours = {}
+    for m in methods:
+        per_game = {}
+        for game in games:
+            own = [r for r in runs if r["game"] == game and r["method"] == m]
+            means = np.array([[mean_return_at(r, s) for s in grid] for r in own])
+            keep = ~np.isnan(means).any(axis=0) if own else np.zeros(len(grid), bool)  # steps every seed had an episode
+            if keep.any():
+                per_game[game] = (grid[keep] / 1e6, means[:, keep].mean(axis=0))
+        ours[m] = dict(games=per_game, aggregate=None)
+        if m not in score_dict:
+            continue
         curve = {int(s): score_matrix(runs, m, games, s) for s in grid}
         curve = {s: v for s, v in curve.items() if not np.isnan(v).any()}  # steps where every run had an episode
         if not curve:
@@ -275,25 +647,20 @@ def main() -> None:
         xs = np.array(sorted(curve))
         ys = np.array([points[str(s)][which] for s in xs])
         lo, hi = (np.array([intervals[str(s)][k][which] for s in xs]) for k in (0, 1))
-        ax.plot(xs, ys, label=m)
-        if seeds[m] >= MIN_SEEDS:
-            ax.fill_between(xs, lo, hi, alpha=0.25)
-            banded.append(m)
-    ax.set_xlabel("env steps")
-    ax.set_ylabel(f"{'IQM' if which == 0 else 'mean'} normalised score ({mode})")
+        ours[m]["aggregate"] = (xs / 1e6, ys, lo if banded[m] else None, hi if banded[m] else None)
+    bands = [m for m in score_dict if banded[m]]
     title = f"{opts.folder.name}: {count(len(games), 'game')}, {seeds_a_method(seeds)}"
-    if banded and len(banded) == len(ax.lines):
+    if shorts:
+        title += f"\ntoo short to rank: fewer than {WINDOW} episodes a run by {step:,} env steps"
+    if bands and len(bands) == len(ours):
         title += "\nbands: 95% stratified-bootstrap CIs"
-    elif banded:
-        title += f"\nbands ({', '.join(banded)} only): 95% stratified-bootstrap CIs"
-    ax.set_title(title, fontsize=10)
-    if ax.lines:
-        ax.legend()
-    ax.grid(alpha=0.3)
+    elif bands:
+        title += f"\nbands ({', '.join(bands)} only): 95% stratified-bootstrap CIs"
+    if beside:
+        title += f"\ndashed: released, first {FIRST_VALID} rows dropped, smoothed {SMOOTHING}"
     stem = pathlib.Path(opts.out) if opts.out else opts.folder / "report"
-    fig.tight_layout()
-    fig.savefig(f"{stem}.png", dpi=120)
-    lines += ["", f"![aggregate normalised score against env steps]({stem.name}.png)"]
+    draw(f"{stem}.png", title, games, methods, ours, results, beside, which, max(r["last"] for r in runs), mode)
+    lines += ["", f"![per-game returns and the aggregate normalised score against env steps]({stem.name}.png)"]
     pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwritten to {stem}.md and {stem}.png")

@@ -1,9 +1,12 @@
 """Print a run's mean return over its last 100 finished episodes at given env steps, and its SPS.
 
 python tools/summarise_run.py runs/BreakoutNoFrameskip-v4__ppg__1__1796042480 --at 100000 250000 500000
+python tools/summarise_run.py runs/paper/bigfish__ppg__1      # a run of tools/sweep.py: its runs/<run_name>/ inside
 """
 
 import argparse
+import glob
+import os
 import pathlib
 import sys
 
@@ -14,18 +17,35 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the tools' o
 from helptext import DefaultsHelpFormatter  # noqa: E402
 
 
+def scalars(run_dir: str):
+    """The run's event files, read whole, and their scalar tags."""
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc, acc.Tags()["scalars"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("run_dir", help="a runs/{run_name} folder")
+    parser.add_argument(
+        "run_dir", help="a runs/{run_name} folder, or a sweep's run folder runs/<name>/<game>__<method>__<seed>"
+    )
     parser.add_argument("--at", type=int, nargs="+", default=[100_000, 250_000, 500_000], help="env steps")
     parser.add_argument("--window", type=int, default=100, help="episodes averaged")
     args = parser.parse_args()
     if args.window < 1:
         sys.exit(f"error: --window must be at least 1 (got {args.window})")
 
-    acc = EventAccumulator(args.run_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = acc.Tags()["scalars"]
+    acc, tags = scalars(args.run_dir)
+    # a run of tools/sweep.py runs the script in its own folder, so its event files lie one level down, in
+    # runs/<run_name>/ (one run name: a resumed run goes on in the same folder)
+    inner = sorted(
+        {os.path.dirname(p) for p in glob.glob(os.path.join(args.run_dir, "runs", "*", "events.out.tfevents.*"))}
+    )
+    if "charts/SPS" not in tags and len(inner) > 1:
+        sys.exit(f"error: {args.run_dir}: holds {len(inner)} run folders ({', '.join(inner)}): name one of them")
+    if "charts/SPS" not in tags and inner:
+        print(f"reading {inner[0]}")
+        acc, tags = scalars(inner[0])
     if "charts/SPS" not in tags:  # no rollout logged: not a runs/{run_name} folder, or the run's first rollout is on
         sys.exit(f"error: {args.run_dir}: no charts/SPS in its event files (a runs/{{run_name}} folder holds them)")
     episodes = acc.Scalars("charts/episodic_return") if "charts/episodic_return" in tags else []
