@@ -69,3 +69,44 @@ def test_orthogonal_init():
         rows = w @ w.T  # orthogonal rows (fewer rows than columns here): W W^T = gain^2 I
         assert torch.allclose(rows, gain**2 * torch.eye(w.shape[0]), atol=1e-4 * max(1, gain**2)), layer
         assert torch.count_nonzero(layer.bias) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, sticky, noop_max, fire",
+    [
+        ([], 0.0, 30, True),  # a v4 id: DQN's protocol
+        (["--env-id", "ALE/Breakout-v5"], 0.25, 0, False),  # a v5 id: Machado et al.'s
+        (["--repeat-action-probability", "0.1"], 0.1, 30, True),
+    ],
+)
+def test_the_protocol_reaches_the_emulator(flags, sticky, noop_max, fire, monkeypatch):
+    """The settings ale-py's emulator is built with, read where AtariVecEnv's envs hand them to it."""
+    import ale_py
+    import tyro
+
+    built = []
+    original = ale_py.ALEVectorInterface
+
+    def record(**settings):
+        built.append(settings)
+        return original(**settings)
+
+    monkeypatch.setattr(ale_py, "ALEVectorInterface", record)
+    args = tyro.cli(atari.Args, args=["--max-episode-frames", "5000", *flags])
+    envs = atari.AtariVecEnv(args, 2, seed=1)
+    envs.env.close()
+    (settings,) = built
+    assert settings["repeat_action_probability"] == pytest.approx(sticky)
+    assert (settings["noop_max"], settings["use_fire_reset"]) == (noop_max, fire)
+    # life loss and reward clipping are the wrapper's (training only), the frame cap the flag's
+    assert (settings["episodic_life"], settings["reward_clipping"], settings["max_episode_steps"]) == (
+        False,
+        False,
+        5000,
+    )
+    assert (settings["frame_skip"], settings["stack_num"], settings["img_height"], settings["grayscale"]) == (
+        4,
+        4,
+        84,
+        True,
+    )

@@ -1,0 +1,138 @@
+"""What stops a user's run from going wrong quietly: a run never writes into another run's folder; --resume of a finished
+run, or of a run stopped before its first checkpoint, says so and writes nothing; CleanRL's flags that have no namesake
+here name their counterpart; L_KL's flags are refused in one line where they make no sense; a run's flags and its aux
+phases reach TensorBoard on the env-step axis; and the memory check counts the update's activations beside B, choosing a
+GPU's chunk size from the free memory."""
+
+import pathlib
+import runpy
+import sys
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, copy_run, load_script, main_in_process, refusal
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_second_run_started_in_the_same_second_never_shares_the_folder(name, tmp_path, monkeypatch):
+    script = load_script(name)
+    monkeypatch.setattr(script.time, "time", lambda: 1_000_000.0)  # both runs start in the same second
+    env_id = TINY_FLAGS[name][TINY_FLAGS[name].index("--env-id") + 1]
+    first = tmp_path / "runs" / f"{env_id}__twin__1__1000000"
+    first.mkdir(parents=True)
+    (first / "marker").write_text("the first run's")
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(script, [*TINY_FLAGS[name], "--exp-name", "twin"], tmp_path, monkeypatch)
+    message = str(stopped.value.code)
+    assert message.startswith("error: runs/") and "exists" in message and "\n" not in message, message
+    assert [p.name for p in first.iterdir()] == ["marker"]  # nothing written into the first run's folder
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_of_a_finished_run_does_nothing_and_writes_nothing(name, tiny_run, tmp_path, monkeypatch, capsys):
+    run_dir = copy_run(tiny_run(name), tmp_path)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+    main_in_process(load_script(name), ["--resume", str(run_dir)], tmp_path, monkeypatch)
+    out = capsys.readouterr().out
+    assert "is trained to step 192: nothing to do" in out and "phases:" not in out  # no plan printed
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before  # no new event file
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_of_a_run_without_a_checkpoint_says_to_start_again(name, tmp_path, monkeypatch):
+    folder = tmp_path / "stopped"
+    folder.mkdir()
+    (folder / "events.out.tfevents.1.vm.1.0").write_bytes(b"")  # a run stopped in its first phase leaves only this
+    message = refusal(load_script(name), ["--resume", str(folder)], tmp_path, monkeypatch)
+    assert message == f"error: --resume {folder}: no checkpoint (it stopped before its first phase ended): start again"
+
+
+CLEANRL_ONLY = {
+    "--capture-video": "tools/evaluate.py --capture-video",
+    "--v-value": "--e-v",
+    "--vf-coef": "own loss",
+    "--target-kl": "--aux-kl-stop",
+    "--clip-vloss": "unclipped",
+    "--n-aux-grad-accum": "--micro-batch-size",
+    "--adv-norm-fullbatch": "whole rollout",
+}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_cleanrl_flags_without_a_namesake_name_their_counterpart(name, monkeypatch):
+    """The script as `python SCRIPT --flag` runs it (its __main__ block), for each of CleanRL's flags it lacks."""
+    for flag, counterpart in CLEANRL_ONLY.items():
+        monkeypatch.setattr(
+            sys, "argv", [name, flag, "1"] if flag in ("--v-value", "--vf-coef", "--target-kl") else [name, flag]
+        )
+        with pytest.raises(SystemExit) as stopped:
+            runpy.run_path(str(ROOT / name), run_name="__main__")
+        message = str(stopped.value.code)
+        assert message.startswith(f"error: {flag} is CleanRL's flag: here ") and counterpart in message, message
+        assert "\n" not in message
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_lkl_flags_are_checked(name, tmp_path, monkeypatch):
+    script = load_script(name)
+    assert "--kl-penalty > 0" in refusal(script, ["--clip-coef", "0"], tmp_path, monkeypatch)
+    assert (
+        refusal(script, ["--kl-penalty", "-1"], tmp_path, monkeypatch) == "error: --kl-penalty must be >= 0 (got -1.0)"
+    )
+    assert (
+        refusal(script, ["--clip-coef", "-0.1"], tmp_path, monkeypatch) == "error: --clip-coef must be >= 0 (got -0.1)"
+    )
+    script.make_plan(script.Args(clip_coef=0.0, kl_penalty=1.0))  # L_KL, the paper's
+    script.make_plan(script.Args(clip_coef=0.2, kl_penalty=1.0))  # both, as the released code allows
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_flags_as_text_and_the_aux_phase_on_env_steps(name, tiny_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tiny_run(name)
+    acc = EventAccumulator(str(run.run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    (text,) = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("hyperparameters/text_summary")]
+    assert "|num_envs|2|" in text and "|e_aux|2|" in text and "|aux_kl_stop|0.0|" in text
+    # the one aux phase (after rollout 2 of 2 envs x 32 steps): its last epoch's statistics at env step 128
+    for tag in ("aux_phase/aux_value_loss", "aux_phase/clone_kl", "aux_phase/guard_kl", "aux_phase/value_loss"):
+        assert len(run.scalars[tag]) == 1, tag
+    assert run.scalars["aux_phase/clone_kl"][0] == run.scalars["aux/clone_kl"][-1]
+    steps = EventAccumulator(str(run.run_dir), size_guidance={"scalars": 0})
+    steps.Reload()
+    assert [e.step for e in steps.Scalars("aux_phase/clone_kl")] == [128]
+
+
+GIB = 2**30
+
+
+def test_the_memory_check_counts_activations_and_fits_a_gpus_chunk():
+    """At the paper's batch (256 envs x 256 steps, N_pi 32, aux minibatches of 16 trajectories) B holds 26.0 GB; a
+    state's activations in a dual update are 2 x 1.525 MB (ACTIVATION_BYTES, both trunks), so whole 8,192-state
+    minibatches need 25 GB more: 80 GB fits them, 40 GB takes chunks of 4,096, 27 GB of 256, 25 GB stops the run."""
+    script = load_script("ppg_procgen.py")
+    args = script.Args(num_envs=256, aux_mb_trajectories=16, distribution_mode="hard")
+    rows = (32 * 256, 256)
+    per_state = 2 * script.ACTIVATION_BYTES
+    chunk, b, activations = script.memory_plan(args, rows, 80e9, on_gpu=True)
+    assert (chunk, round(b / 1e9, 1), activations) == (0, 26.0, 8192 * per_state)  # whole minibatches
+    assert script.memory_plan(args, rows, 40e9, on_gpu=True)[:1] == (4096,)
+    assert script.memory_plan(args, rows, 27e9, on_gpu=True)[:1] == (256,)
+    assert script.memory_plan(args, rows, 80e9, on_gpu=False)[:1] == (256,)  # a CPU: 256, the fastest measured
+    # one network's update (`shared`) halves a state's activations: 40 GB then fits 8,192 states whole
+    assert script.memory_plan(script.Args(**{**vars(args), "arch": "shared"}), rows, 40e9, on_gpu=True)[:1] == (0,)
+    with pytest.raises(SystemExit, match=r"^error: B 24\.2 GiB.*over the 23\.3 GiB free: lower --n-pi"):
+        script.memory_plan(args, rows, 25e9, on_gpu=True)
+    # a chunk the user chose is checked, not replaced
+    with pytest.raises(SystemExit, match="chunks of 8192 states"):
+        script.memory_plan(script.Args(**{**vars(args), "micro_batch_size": 0}), rows, 40e9, on_gpu=True)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_memory_check_refuses_before_any_env_or_buffer(name, tmp_path, monkeypatch):
+    script = load_script(name)
+    monkeypatch.setattr(script, "ACTIVATION_BYTES", 10**15)  # no chunk fits any machine
+    message = refusal(script, TINY_FLAGS[name], tmp_path, monkeypatch)
+    assert "GiB free: lower --n-pi, --num-envs or --micro-batch-size" in message
+    assert not pathlib.Path(tmp_path, "runs").exists()
