@@ -161,9 +161,6 @@ class AtariVecEnv:
         train_dones = game_over | life_lost if self.args.episodic_life else game_over
         return np.ascontiguousarray(obs.transpose(0, 2, 3, 1)), train_rewards.astype(np.float32), train_dones, finished
 
-    def close(self) -> None:
-        self.env.close()
-
 
 # ==== Networks: Nature CNN with orthogonal initialisation =============================================================
 def orthogonal_init_(layer: nn.Module, gain: float) -> nn.Module:
@@ -687,7 +684,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
                     writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux_epochs) + 1 + epoch)
     finally:
         writer.close()
-    envs.close()
+    envs.env.close()
     if args.save_model:
         model = dict(script=SCRIPT, run_name=run_name, args=vars(args), agent=agent.state_dict())
         torch.save(model, f"{run_dir}/{args.exp_name}.pt")

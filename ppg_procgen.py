@@ -141,9 +141,6 @@ class ProcgenVecEnv:
         self.returns[dones], self.lengths[dones] = 0.0, 0
         return obs["rgb"], rewards, dones, finished
 
-    def close(self) -> None:
-        self.env.close()
-
 
 # ==== Networks: IMPALA CNN with the released code's "normed" initialisation ===========================================
 def normed_init_(layer: nn.Module, scale: float) -> nn.Module:
@@ -682,7 +679,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
                     writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux_epochs) + 1 + epoch)
     finally:
         writer.close()
-    envs.close()
+    envs.env.close()
     if args.save_model:
         model = dict(script=SCRIPT, run_name=run_name, args=vars(args), agent=agent.state_dict())
         torch.save(model, f"{run_dir}/{args.exp_name}.pt")

@@ -107,7 +107,7 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
                     write_video(os.path.join(video_dir, f"episode-{len(returns[0]) - 1}.mp4"), frames)
             if i == 0:
                 frames = []
-    envs.close()
+    envs.env.close()
     return [r for env_returns in returns for r in env_returns]
 
 
