@@ -331,14 +331,6 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
     return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
 
-@torch.no_grad()
-def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
-    """pi_old: the logits of the policy as it is NOW (after the policy phase) on every state of B, not the rollout's.
-    Logits: kl_divergence normalises both sides alike, so an unchanged policy has a KL of exactly 0."""
-    logits = [agent(part, terms=("policy",)).logits for part in obs_buffer.flatten(0, 1).split(chunk)]
-    return torch.cat(logits).view(*obs_buffer.shape[:2], -1)
-
-
 # ==== The rollout and the two phases ==================================================================================
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """Every per-step array: name -> (shape of one step's entry, dtype). Allocation, both phases' minibatches and the
@@ -443,7 +435,11 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     guard stops after an epoch whose mean KL(pi_old || pi) exceeds --aux-kl-stop."""
     obs, epochs = buffers["obs"], []
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
-    buffers["pi_old_logits"].copy_(snapshot_policy(agent, obs, chunk))
+    # pi_old: the policy as it is NOW (after the policy phase) on every state of B, not the rollout's. Its logits:
+    # kl_divergence normalises both sides alike, so an unchanged policy has a KL of exactly 0
+    with torch.no_grad():
+        logits = [agent(part, terms=("policy",)).logits for part in obs.flatten(0, 1).split(chunk)]
+        buffers["pi_old_logits"].copy_(torch.cat(logits).view(*obs.shape[:2], -1))
 
     def loss_of(c):  # the loss, and the guard's KL(pi_old || pi): clone_kl, unless a hack changes the clone loss
         out = agent(c["obs"])

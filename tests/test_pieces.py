@@ -1,6 +1,7 @@
 """Unit tests of the pieces each script trains with: losses, GAE, init, reward normaliser,
 chunked gradients, gradient isolation between the phases, the pi_old snapshot, the KL guard."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -317,7 +318,9 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
     aux = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), buffers, args)
     assert aux[0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
     assert aux[1]["clone_kl"] > 1e-5
-    old = script.snapshot_policy(agent, obs_buf, chunk=5)
+    # a snapshot alone (E_aux 0), taken now in chunks of 5 states: the policy as it is after the updates
+    script.auxiliary_phase(agent, None, buffers, dataclasses.replace(args, e_aux=0, micro_batch_size=5))
+    old = buffers["pi_old_logits"]
     assert old.shape == (4, 8, A)
     with torch.no_grad():
         # the policy's logits as it is now (not log-probabilities), up to fp32 kernels' batch-size effects
