@@ -89,8 +89,7 @@ def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
 
 
 def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str, int]:
-    """Refuse in one line the values tyro accepts but the run cannot use; derive the run's counts once. A resumed run
-    (start_step, start_phase) begins a new phase at its checkpoint: its phases are counted on from there."""
+    """Refuse in one line what tyro takes but a run cannot use; derive its counts (a resume's: from its checkpoint)."""
     for name, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             sys.exit(f"error: --{name.replace('_', '-')} must be a finite number (got {value})")
@@ -191,7 +190,7 @@ class NatureEncoder(nn.Module):
 
 
 class AgentOutput(NamedTuple):
-    """What the network returns, by name (no call site unpacks it by position): a new head is a new field."""
+    """What the network returns, by name (no call site unpacks it by position): a new head's output is in `heads`."""
 
     logits: torch.Tensor  # the policy's logits, fp32
     value: torch.Tensor  # V: the true value head
@@ -213,8 +212,8 @@ class PPGAgent(nn.Module):
         self.aux_value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
         self.v_trunk = NatureEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
-        # A new head: an entry here (extra_heads["reward"] = nn.Linear(width, 1)) and a loss term on out.heads["reward"].
-        # Its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
+        # A new head: extra_heads["reward"] = nn.Linear(width, 1) here, read in a loss as out.heads["reward"];
+        # its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
         self.extra_heads = nn.ModuleDict()
 
     def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
@@ -295,15 +294,14 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
 
 
 def kl_divergence(p_logits, q_logits):
-    """KL(p || q) of the categoricals with these logits, exact over all actions, averaged over states. PPG's clone
-    loss is KL(pi_old || pi): kl_divergence(pi_old_logits, logits)."""
+    """KL(p || q) of the categoricals with these logits, exact over all actions, averaged over states."""
     p_logp = F.log_softmax(p_logits, dim=-1)
     return (p_logp.exp() * (p_logp - F.log_softmax(q_logits, dim=-1))).sum(-1).mean()
 
 
 def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
     """PPO's surrogate (L_clip, or L_KL's penalised one) minus the entropy bonus (`policy`) plus 0.5 MSE of V (`value`):
-    (loss, stats). mb is a --micro-batch-size chunk: a statistic over a whole minibatch belongs in policy_phase_update."""
+    (loss, stats). mb is a --micro-batch-size chunk: a whole minibatch's statistic belongs in policy_phase_update."""
     loss, stats = 0.0, {}
     if "policy" in terms:
         logprobs = F.log_softmax(out.logits, dim=-1)
@@ -436,8 +434,7 @@ def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tenso
 
 
 def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor], args: Args) -> List[Dict]:
-    """pi_old snapshot into B, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories; the KL
-    guard stops after an epoch whose mean KL(pi_old || pi) exceeds --aux-kl-stop."""
+    """pi_old into B, then E_aux epochs of aux_phase_loss on minibatches of whole trajectories (fewer: the KL guard)."""
     obs, epochs = buffers["obs"], []
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
     # pi_old: the policy as it is NOW (after the policy phase) on every state of B, not the rollout's. Its logits:
@@ -510,18 +507,15 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
 
 def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) -> Tuple[int, int, int]:
     """(--micro-batch-size to run with, bytes of B, bytes of a chunk's activations at ACTIVATION_BYTES a state and
-    trunk). None chooses 256 on a CPU (among the fastest: tools/benchmark.py --sweep); on a GPU, whole minibatches (0)
-    or, where they do not fit beside B, the largest power of 2 that does. Exits in one line if they exceed `free`."""
+    trunk); exits in one line if over `free`. None: 256 on a CPU (among the fastest: tools/benchmark.py --sweep)."""
     fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
     buffer_bytes = math.prod(rows) * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
     per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)  # `dual` runs both trunks in a step
     largest = max(args.num_envs * args.num_steps // args.num_minibatches, args.aux_mb_trajectories * args.num_steps)
     fits = int(max(free - buffer_bytes, 0) // per_state)  # the states whose activations fit beside B
-    chunk = args.micro_batch_size
-    if chunk is None and on_gpu:
+    chunk = 256 if args.micro_batch_size is None and not on_gpu else args.micro_batch_size
+    if chunk is None:  # on a GPU: whole minibatches (0) if they fit beside B, else the largest power of 2 that does
         chunk = 0 if fits >= largest else 2 ** max(fits.bit_length() - 1, 0)
-    elif chunk is None:
-        chunk = 256
     states = min(chunk or largest, largest)
     if states > fits:
         gib = f"B {buffer_bytes / 2**30:.1f} GiB, chunks of {states} states {states * per_state / 2**30:.1f} GiB"
@@ -691,15 +685,11 @@ if __name__ == "__main__":
     # The flags named on the command line (--no-cuda names cuda), by our names: --resume tells them apart
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
     aliases = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
-    cleanrl = dict(  # CleanRL's flags that have no namesake here: what to use instead
-        capture_video="tools/evaluate.py --capture-video records a saved policy",
-        v_value="--e-v gives the value epochs a rollout",
-        vf_coef="the value network has its own loss, unweighted (as the released code)",
-        target_kl="the policy epochs never stop early; the aux phase has --aux-kl-stop",
-        clip_vloss="the value loss is unclipped, as in the paper",
-        n_aux_grad_accum="--micro-batch-size gives the same update in less memory",
-        adv_norm_fullbatch="advantages are always normalised over the whole rollout",
-    )
+    # CleanRL's flags that have no namesake here: what to use instead
+    cleanrl = dict(capture_video="tools/evaluate.py --capture-video records a saved policy", v_value="--e-v")
+    cleanrl.update(vf_coef="the value network's loss is unweighted", clip_vloss="the value loss is unclipped")
+    cleanrl.update(target_kl="the policy epochs never stop early; the aux phase has --aux-kl-stop")
+    cleanrl.update(n_aux_grad_accum="--micro-batch-size", adv_norm_fullbatch="advantages are normalised per rollout")
     for name in sorted(given & cleanrl.keys()):
         sys.exit(f"error: --{name.replace('_', '-')} is CleanRL's flag: here {cleanrl[name]}")
     main(tyro.cli(Args), {aliases.get(name, name) for name in given})
