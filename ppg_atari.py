@@ -38,7 +38,6 @@ class Args:
     seed: int = 1  # seed of python, numpy, torch and the envs (env i gets seed + i), in [0, 2^31)
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers live there too)
-    save_model: bool = False  # if toggled, save the weights to `runs/{run_name}/{exp_name}.pt`
     resume: Optional[str] = None  # go on with the run in this folder (or checkpoint file)
     track: bool = False  # if toggled, mirror every TensorBoard scalar to Weights & Biases
     wandb_project_name: str = "ppg"  # the W&B project of --track
@@ -488,13 +487,14 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
     except Exception as e:  # missing, truncated, another script's, or not a torch file at all
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
     fields = [field.name for field in dataclasses.fields(Args)]
+    state["args"].pop("save_model", None)  # a flag of older versions: checkpoint.pt holds the weights
     if unknown := sorted(set(state["args"]) - set(fields)):
         sys.exit(f"error: --resume {path}: written by a version of {SCRIPT} with flags this one lacks: {unknown}")
     saved = dict(vars(Args()), **state["args"])
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(Args(), name)}
-    may_change = ["resume", "total_timesteps", "cuda", "save_model", "micro_batch_size", "track"]
-    may_change += ["wandb_project_name", "wandb_entity"]
+    may_change = ["resume", "total_timesteps", "cuda", "micro_batch_size"]
+    may_change += ["track", "wandb_project_name", "wandb_entity"]
     for name in sorted(given & set(fields)):
         value = getattr(args, name)
         if name not in may_change and value != saved[name]:
@@ -675,9 +675,6 @@ def main(args: Args, given: Optional[set] = None) -> None:
     finally:
         writer.close()
     envs.env.close()
-    if args.save_model:
-        model = dict(script=SCRIPT, run_name=run_name, args=vars(args), agent=agent.state_dict())
-        torch.save(model, f"{run_dir}/{args.exp_name}.pt")
     print(f"checkpoint: {run_dir}/checkpoint.pt; evaluate it: python tools/evaluate.py {run_dir}/checkpoint.pt")
 
 
@@ -690,6 +687,7 @@ if __name__ == "__main__":
     cleanrl.update(vf_coef="the value network's loss is unweighted", clip_vloss="the value loss is unclipped")
     cleanrl.update(target_kl="the policy epochs never stop early; the aux phase has --aux-kl-stop")
     cleanrl.update(n_aux_grad_accum="--micro-batch-size", adv_norm_fullbatch="advantages are normalised per rollout")
+    cleanrl.update(save_model="runs/<run>/checkpoint.pt holds the weights after every phase")
     for name in sorted(given & cleanrl.keys()):
         sys.exit(f"error: --{name.replace('_', '-')} is CleanRL's flag: here {cleanrl[name]}")
     main(tyro.cli(Args), {aliases.get(name, name) for name in given})
