@@ -462,18 +462,6 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     return epochs
 
 
-def eta_text(args: Args, plan: Dict[str, int], rollouts_left: int, timings: Dict[str, List[float]]) -> str:
-    """The time left: the rollouts left at this start's mean time; the aux phases left at the last one's time or, before
-    one has run, at the update's time scaled by trunk passes (E_aux epochs over B; the pi_old snapshot, a third)."""
-    trunks = 2 if args.arch == "dual" else 1
-    update_passes = args.e_pi * trunks if args.e_pi == args.e_v else args.e_pi + args.e_v
-    aux_seconds = np.mean(timings["update"]) * args.n_pi * (args.e_aux * trunks + 1 / 3) / update_passes
-    aux_seconds = timings["aux"][-1] if timings["aux"] else aux_seconds
-    seconds = rollouts_left * np.mean(timings["rollout"]) + (plan["aux_phases"] - len(timings["aux"])) * aux_seconds
-    minutes = round(seconds / 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds:.0f}s"
-
-
 def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, str]:
     """The checkpoint of --resume and the run's flags from it (a flag added since: its default), but for those a resume
     may change that the command line names (`given`; None: those off their defaults). Returns (args, ckpt, folder)."""
@@ -610,13 +598,13 @@ def main(args: Args, given: Optional[set] = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    start_time, start_step, timings = time.time(), global_step, dict(rollout=[], update=[], aux=[])  # SPS and ETA
+    start_time, start_step = time.time(), global_step  # SPS and the ETA: this start's mean rate
     try:
         while iteration < num_iterations:
             phase, phase_start = phase + 1, time.time()
             # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
             for i in range(min(args.n_pi, num_iterations - iteration)):
-                iteration, rollout_start = iteration + 1, time.time()
+                iteration += 1
                 slot = i if plan["aux_phases"] else 0  # B holds N_pi rollouts; without aux phases, one
                 ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}  # views
                 if args.anneal_lr:  # by the planned total (a raised one too); the aux phase keeps the last rate
@@ -631,10 +619,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
                     writer.add_scalar("charts/episodic_length", length, step)
                     recent_returns.append(ep_return)
                 batch = {k: v.flatten(0, 1) for k, v in ro.items()}  # the rollout's states
-                update_start = time.time()
                 stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer)
-                timings["update"].append(time.time() - update_start)
-                timings["rollout"].append(time.time() - rollout_start)
                 for k, v in dict(stats, explained_variance=explained_variance).items():
                     writer.add_scalar(f"losses/{k}", v, global_step)
                 writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
@@ -643,14 +628,15 @@ def main(args: Args, given: Optional[set] = None) -> None:
                 progress = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
                 mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"  # last 100
                 losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
-                eta = eta_text(args, plan, num_iterations - iteration, timings)
+                seconds_left = (num_iterations - iteration) * batch_size / sps  # the ETA, at this start's mean rate:
+                minutes = round(seconds_left / 60)  # short by the aux phases' share until this start's first has run
+                eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds_left:.0f}s"
                 print(f"{progress} SPS {sps:.0f} ETA {eta} return {mean_return} {losses}", flush=True)
 
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
             aux_epochs, aux_start = [], time.time()
             if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout: nothing would use it
                 aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args)
-                timings["aux"].append(time.time() - aux_start)
                 aux_epochs_done += len(aux_epochs)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB to GiB
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak

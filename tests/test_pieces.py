@@ -389,18 +389,3 @@ def test_policy_minibatches_skip_what_their_losses_do_not_read(script, e_pi, e_v
         assert passes == {"pi": 2 * e_pi, "v": 2 * e_pi}
     else:
         assert passes == {"pi": 2 * e_pi, "v": 2 * e_v}
-
-
-def test_the_eta_counts_the_aux_phases_from_the_first_rollout(script):
-    """Before an aux phase has run, the ETA costs each one left from the policy update's time: an aux phase runs
-    E_aux epochs of each trunk over B (N_pi rollouts' states) and the pi_old snapshot (a third of a trunk pass); an
-    update runs one pass of each trunk over one rollout (E_pi == E_V). Once one has run, its measured time counts."""
-    args = script.Args()  # dual, N_pi 32, E_aux 6, E_pi = E_V = 1
-    plan = dict(aux_phases=2)
-    timings = dict(rollout=[10.0], update=[4.0], aux=[])
-    aux_estimate = 4.0 * 32 * (6 * 2 + 1 / 3) / 2  # 789.3 s
-    assert script.eta_text(args, plan, 63, timings) == f"0h{round((63 * 10 + 2 * aux_estimate) / 60):02d}m"
-    timings["aux"].append(1000.0)  # one aux phase ran: one left, at its time
-    assert script.eta_text(args, plan, 31, timings) == f"0h{round((31 * 10 + 1000) / 60):02d}m"
-    assert script.eta_text(args, dict(aux_phases=0), 2, dict(rollout=[10.0], update=[4.0], aux=[])) == "20s"
-    assert script.eta_text(args, dict(aux_phases=0), 500, dict(rollout=[10.0], update=[4.0], aux=[])) == "1h23m"
