@@ -210,18 +210,14 @@ class PPGAgent(nn.Module):
         # its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
         self.extra_heads = nn.ModuleDict()
 
-    def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
-        """The one place precision is chosen: with bf16 the trunk runs under autocast; heads and losses stay fp32."""
-        with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
-            return trunk(obs).float()
-
     def forward(self, obs: torch.Tensor, terms=("policy", "value")) -> AgentOutput:
         """Every output. With `dual`, a call for one term runs that term's network alone: the pi_old snapshot and the
         E_pi != E_V epochs skip the network they do not train (its outputs are None)."""
-        h = self.features(self.pi_trunk, obs) if "policy" in terms or self.arch != "dual" else None
-        if self.arch == "dual":
-            v = self.features(self.v_trunk, obs) if "value" in terms else None
-        else:
+        # The one place precision is chosen: with bf16 the trunks run under autocast; heads and losses stay fp32
+        with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
+            h = self.pi_trunk(obs).float() if "policy" in terms or self.arch != "dual" else None
+            v = self.v_trunk(obs).float() if self.arch == "dual" and "value" in terms else None
+        if self.arch != "dual":
             v = h.detach() if self.arch == "detach" else h
         logits = None if h is None else self.pi_head(h)
         value = None if v is None else self.value_head(v).squeeze(-1)
