@@ -194,8 +194,7 @@ class AgentOutput(NamedTuple):
 
 
 class PPGAgent(nn.Module):
-    """Policy network: trunk + policy head + auxiliary value head. The true value head sits on its own trunk (`dual`:
-    the value network), on the policy trunk's detached features (`detach`), or on the policy trunk (`shared`: PPO's)."""
+    """Policy network: trunk, policy head, aux value head; the true value head where --arch puts it (see Args.arch)."""
 
     def __init__(self, args: Args, obs_shape: Tuple[int, ...], num_actions: int):
         super().__init__()
@@ -211,8 +210,7 @@ class PPGAgent(nn.Module):
         self.extra_heads = nn.ModuleDict()
 
     def forward(self, obs: torch.Tensor, terms=("policy", "value")) -> AgentOutput:
-        """Every output. With `dual`, a call for one term runs that term's network alone: the pi_old snapshot and the
-        E_pi != E_V epochs skip the network they do not train (its outputs are None)."""
+        """Every output; with `dual`, one term runs its network alone (pi_old, E_pi != E_V epochs), the other's None."""
         # The one place precision is chosen: with bf16 the trunks run under autocast; heads and losses stay fp32
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
             h = self.pi_trunk(obs).float() if "policy" in terms or self.arch != "dual" else None
@@ -271,8 +269,7 @@ class RewardNormalizer:
 
 
 def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
-    """Generalised advantage estimation over (num_envs, num_steps) tensors; ended[:, t] is True when step t's
-    transition ended its episode (the value after it is 0). Returns (advantages, returns = advantages + values)."""
+    """GAE over (num_envs, num_steps) tensors; ended[:, t]: step t ended its episode (the value after it is 0)."""
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[1])):
         following = next_value if t == rewards.shape[1] - 1 else values[:, t + 1]
@@ -315,8 +312,7 @@ def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args,
 
 
 def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
-    """L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone KL(pi_old || pi) on the policy network, plus the value network's
-    L_value = 0.5 (V - V_hat)^2: (loss, stats). mb is a chunk, as in policy_phase_loss."""
+    """The paper's L_joint (policy network) plus L_value (value network): (loss, stats); mb is a chunk, as above."""
     l_aux = 0.5 * (out.aux_value - mb["returns"]).pow(2).mean()
     l_clone = kl_divergence(mb["pi_old_logits"], out.logits)  # KL(pi_old || pi)
     joint = l_aux + args.beta_clone * l_clone
@@ -376,8 +372,7 @@ def compute_targets(ro: Dict[str, torch.Tensor], next_value, args: Args, reward_
 
 
 def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args: Args, loss_of) -> Dict:
-    """One step on mb's mean loss, backpropagated in --micro-batch-size chunks weighted by their share: a whole pass's
-    gradient, one chunk's activations alive at a time. Each network's norm is clipped apart. Returns the stats."""
+    """One step on mb's mean loss, backpropagated in chunks weighted by their share (the same gradient, less memory)."""
     n, stats = mb["obs"].shape[0], {}
     for start in range(0, n, args.micro_batch_size or n):
         part = slice(start, min(start + (args.micro_batch_size or n), n))
@@ -404,8 +399,7 @@ def minibatch_means(logs: Dict[str, List[torch.Tensor]], where: str) -> Dict[str
 
 
 def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, value_optimizer=None):
-    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout, in shuffled minibatches, as the released code:
-    E_pi == E_V: one backward carries both; else the E_V epochs (their own Adam) run first. Returns the means."""
+    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout's shuffled minibatches, as the released code."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
     epochs = [(("policy", "value"), args.e_pi, optimizer)]
     if args.e_pi != args.e_v:
@@ -427,8 +421,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     """pi_old into B, then E_aux epochs of aux_phase_loss on minibatches of whole trajectories (fewer: the KL guard)."""
     obs, epochs = buffers["obs"], []
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
-    # pi_old: the policy as it is NOW (after the policy phase) on every state of B, not the rollout's. Its logits:
-    # kl_divergence normalises both sides alike, so an unchanged policy has a KL of exactly 0
+    # pi_old: the policy NOW (after the policy phase) on all of B; logits, so an unchanged policy has KL exactly 0
     with torch.no_grad():
         logits = [agent(part, terms=("policy",)).logits for part in obs.flatten(0, 1).split(chunk)]
         buffers["pi_old_logits"].copy_(torch.cat(logits).view(*obs.shape[:2], -1))
@@ -472,11 +465,10 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
     saved = dict(vars(Args()), **state["args"])
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(Args(), name)}
-    may_change = ["resume", "total_timesteps", "cuda", "micro_batch_size"]
-    may_change += ["track", "wandb_project_name", "wandb_entity"]
+    allowed = ["resume", "total_timesteps", "cuda", "micro_batch_size", "track", "wandb_project_name", "wandb_entity"]
     for name in sorted(given & set(fields)):
         value = getattr(args, name)
-        if name not in may_change and value != saved[name]:
+        if name not in allowed and value != saved[name]:
             sys.exit(f"error: --{name.replace('_', '-')} {value}: a resumed run keeps its flags ({saved[name]})")
         if name == "total_timesteps" and value < saved[name]:
             sys.exit(f"error: --total-timesteps may only be raised on --resume (the run's: {saved[name]})")
@@ -559,16 +551,14 @@ def main(args: Args, given: Optional[set] = None) -> None:
         os.makedirs(run_dir, exist_ok=bool(ckpt))
     except FileExistsError:
         sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
-    # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
-    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
+    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)  # a resume logs no step twice
     writer.add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     # The env (training levels [start_level, start_level + num_levels)), the networks, the optimizers, the buffer B
     envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
     agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)
-    # Adams that persist across phases: the policy phase's, the aux phase's, the value epochs' (when E_pi != E_V)
     optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
-    policy_optimizer, aux_optimizer, value_optimizer = optimizers
+    policy_optimizer, aux_optimizer, value_optimizer = optimizers  # kept across phases (value's: when E_pi != E_V)
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
     stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer)
@@ -623,7 +613,6 @@ def main(args: Args, given: Optional[set] = None) -> None:
                 minutes = round(seconds_left / 60)  # short by the aux phases' share until this start's first has run
                 eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds_left:.0f}s"
                 print(f"{progress} SPS {sps:.0f} ETA {eta} return {mean_return} {losses}", flush=True)
-
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
             aux_epochs, aux_start = [], time.time()
             if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout: nothing would use it
@@ -633,7 +622,6 @@ def main(args: Args, given: Optional[set] = None) -> None:
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak
             seconds = f"{time.time() - phase_start:.1f}s (aux phase {time.time() - aux_start:.1f}s)"
             print(f"phase {phase} done in {seconds}; peak {'GPU ' * (device.type == 'cuda')}memory {peak:.2f} GiB")
-
             # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
             for k, v in (aux_epochs[-1] if aux_epochs else {}).items():  # the aux phase's last epoch, on env steps
                 writer.add_scalar(f"aux_phase/{k}", v, global_step)
