@@ -537,7 +537,6 @@ def main(args: Args, given: Optional[set] = None) -> None:
     hours = (num_iterations - iteration) * batch_size / CPU_STEPS_PER_S / 3600
     if device.type == "cpu" and hours > 3:  # a GPU's job: say so now, not at the first ETA minutes from now
         print(f"note: on a CPU this takes about {hours:.0f} h ({CPU_STEPS_PER_S} env steps/s on 2 cores): a GPU's job")
-
     seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume: another stream (31 bits for the env)
     random.seed(seed)
     np.random.seed(seed)
@@ -558,7 +557,6 @@ def main(args: Args, given: Optional[set] = None) -> None:
         sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)  # a resume logs no step twice
     writer.add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-
     # The envs, the networks, the optimizers, the buffer B
     envs = AtariVecEnv(args, args.num_envs, seed)
     agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)
@@ -653,10 +651,9 @@ if __name__ == "__main__":
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
     aliases = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
     # CleanRL's flags that have no namesake here: what to use instead
-    cleanrl = dict(capture_video="tools/evaluate.py --capture-video records a saved policy", v_value="--e-v")
-    cleanrl.update(vf_coef="the value network's loss is unweighted", clip_vloss="the value loss is unclipped")
-    cleanrl.update(target_kl="the policy epochs never stop early; the aux phase has --aux-kl-stop")
-    cleanrl.update(n_aux_grad_accum="--micro-batch-size", adv_norm_fullbatch="advantages are normalised per rollout")
+    cleanrl = dict(v_value="--e-v", n_aux_grad_accum="--micro-batch-size", clip_vloss="the value loss is unclipped")
+    cleanrl.update(capture_video="tools/evaluate.py --capture-video", vf_coef="the value network's loss is unweighted")
+    cleanrl.update(target_kl="--aux-kl-stop (aux phase)", adv_norm_fullbatch="advantages are normalised per rollout")
     cleanrl.update(save_model="runs/<run>/checkpoint.pt holds the weights after every phase")
     for name in sorted(given & cleanrl.keys()):
         sys.exit(f"error: --{name.replace('_', '-')} is CleanRL's flag: here {cleanrl[name]}")
