@@ -1,8 +1,7 @@
 """Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Procgen (IMPALA CNN), one file read top to bottom.
-Where each idea lives: flags in `Args` (checked, every count derived, in `make_plan`); the networks in `PPGAgent`, their
-outputs by name in `AgentOutput` (a new head: `PPGAgent.extra_heads`); the losses in `policy_phase_loss` (L_clip or
-L_KL, entropy, L_value) and `aux_phase_loss` (L_joint, L_value); per-step data in `buffer_fields`, the one table of what
-the buffer B stores; advantages and value targets in `compute_targets`; the schedule in `main()`, Algorithm 1."""
+Where each idea lives: flags in `Args`, checked in `make_plan`; networks in `PPGAgent` (outputs by name: `AgentOutput`;
+a new head: `extra_heads`); losses in `policy_phase_loss` (L_clip or L_KL, entropy, L_value) and `aux_phase_loss`
+(L_joint, L_value); B's per-step arrays in `buffer_fields`; targets in `compute_targets`; Algorithm 1 in `main()`."""
 
 import dataclasses
 import importlib.util
