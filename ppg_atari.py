@@ -96,10 +96,9 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     rules = dict(num_envs=at_least_1, num_steps=at_least_1, num_minibatches=at_least_1, n_pi=at_least_1)
     rules.update(e_pi=at_least_1, e_v=at_least_1, total_timesteps=at_least_1, aux_mb_trajectories=at_least_1)
     rules.update(e_aux=at_least_0, micro_batch_size=at_least_0, beta_clone=at_least_0, ent_coef=at_least_0)
-    rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, max_episode_frames=at_least_1)
+    rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, max_episode_frames=at_least_1, gae_lambda=fraction)
     rules.update(learning_rate=positive, clip_coef=at_least_0, kl_penalty=at_least_0, gamma=fraction)
-    rules.update(gae_lambda=fraction, reward_norm_gamma=fraction)
-    rules.update(repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
+    rules.update(reward_norm_gamma=fraction, repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
     rules.update(seed=("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31))
     for name, (rule, ok) in rules.items():
         value = getattr(args, name)
