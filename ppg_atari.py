@@ -41,13 +41,11 @@ class Args:
     track: bool = False  # if toggled, mirror every TensorBoard scalar to Weights & Biases
     wandb_project_name: str = "ppg"  # the W&B project of --track
     wandb_entity: Optional[str] = None  # the W&B user or team of --track (None: yours)
-
     env_id: str = "BreakoutNoFrameskip-v4"  # the game, as `BreakoutNoFrameskip-v4` or `ALE/Breakout-v5`
     repeat_action_probability: Optional[float] = None  # sticky actions (None: 0 for v4 ids, 0.25 for v5)
     episodic_life: bool = True  # if toggled, a lost life ends a training episode (logs: whole games)
     clip_rewards: bool = True  # if toggled, train on sign(reward) (logged returns: raw game scores)
     max_episode_frames: int = 108_000  # a game ends after this many emulator frames (30 minutes)
-
     total_timesteps: int = 10_000_000  # env steps in all (rounded up to whole rollouts)
     learning_rate: float = 2.5e-4  # Adam learning rate of both phases (constant; CleanRL anneals)
     anneal_lr: bool = False  # if toggled, every Adam's rate falls linearly to 0 over the run (CleanRL)
@@ -62,7 +60,6 @@ class Args:
     kl_penalty: float = 0.0  # weight of L_KL's penalty 0.5 mean(log ratio^2) (the paper: --clip-coef 0 --kl-penalty 1)
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
-
     # `dual`: policy and value networks apart; `detach`: value head on detached features; `shared`: PPO's
     arch: Literal["dual", "detach", "shared"] = "dual"
     n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
@@ -75,8 +72,7 @@ class Args:
     aux_kl_stop: float = 0.0  # KL guard: end the aux phase after an epoch whose mean KL(pi_old || pi) > this (0: off)
     # states a forward/backward chunk: the same update, less memory (0: whole minibatches; None: 256 on a CPU)
     micro_batch_size: Optional[int] = None
-    # `fp32`; `tf32`: TF32 matmuls and convolutions on a GPU (fp32 on a CPU); `bf16`: trunks in bf16
-    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"  # `tf32`: TF32 on a GPU (a CPU: fp32); `bf16`: trunks in bf16
 
 
 def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
