@@ -30,7 +30,6 @@ CPU_STEPS_PER_S = 78  # PPG at the defaults, fp32, one thread of an AMD EPYC (Br
 SCRIPT = os.path.basename(__file__)
 
 
-# ==== Arguments =======================================================================================================
 @dataclasses.dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # run name: {env_id}__{exp_name}__{seed}__{time}
@@ -118,7 +117,6 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     return dict(num_iterations=num_iterations, num_phases=num_phases, aux_phases=aux_phases, trajectories=trajectories)
 
 
-# ==== Environment =====================================================================================================
 class AtariVecEnv:
     """ale-py's vector env (frame-skip 4, max-pooled, 84x84 gray, 4 stacked): uint8 HWC frames, the TRAINING reward and
     done (clipped; a lost life counts), and each finished GAME's (env, raw score, length): the number papers report."""
@@ -154,7 +152,6 @@ class AtariVecEnv:
         return np.ascontiguousarray(obs.transpose(0, 2, 3, 1)), train_rewards.astype(np.float32), train_dones, finished
 
 
-# ==== Networks: Nature CNN with orthogonal initialisation =============================================================
 def orthogonal_init_(layer: nn.Module, gain: float) -> nn.Module:
     """Orthogonal weights with this gain, bias 0: the init of the standard PPO Atari recipe."""
     nn.init.orthogonal_(layer.weight, gain)
@@ -230,7 +227,6 @@ class PPGAgent(nn.Module):
         return [p for p in self.parameters() if id(p) not in value]
 
 
-# ==== The PPG pieces: plain functions that main() and the tests call alike ============================================
 def moments(x: torch.Tensor) -> Tuple[float, float, float]:
     """(count, mean, population variance) of x's elements, in float64."""
     x = x.double()
@@ -319,7 +315,6 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
     return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
 
-# ==== The rollout and the two phases ==================================================================================
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """Every per-step array: name -> (shape of one step's entry, dtype). Allocation, both phases' minibatches and the
     memory check read this alone: a new per-step target is an entry here, the line that fills it, its loss."""
@@ -493,7 +488,6 @@ def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) ->
     return chunk, buffer_bytes, states * per_state
 
 
-# ==== main(): the paper's Algorithm 1 =================================================================================
 def main(args: Args, given: Optional[set] = None) -> None:
     # ---- Setup: every flag checked and every count derived (and printed) before any env, buffer or log exists ----
     args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)

@@ -31,7 +31,6 @@ CPU_STEPS_PER_S = 60  # a whole PPG phase at the defaults, fp32, on 2 cores of a
 SCRIPT = os.path.basename(__file__)
 
 
-# ==== Arguments =======================================================================================================
 @dataclasses.dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # run name: {env_id}__{exp_name}__{seed}__{time}
@@ -108,7 +107,6 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     return dict(num_iterations=num_iterations, num_phases=num_phases, aux_phases=aux_phases, trajectories=trajectories)
 
 
-# ==== Environment =====================================================================================================
 class ProcgenVecEnv:
     """uint8 HWC frames, raw rewards, done flags, and each finished episode's (env, return, length). Procgen resets an
     env inside the step that ends its episode: the frame returned with done=True already starts the next one."""
@@ -135,9 +133,8 @@ class ProcgenVecEnv:
         return obs["rgb"], rewards, dones, finished
 
 
-# ==== Networks: IMPALA CNN with the released code's "normed" initialisation ===========================================
 def normed_init_(layer: nn.Module, scale: float) -> nn.Module:
-    """Each output unit's weight vector rescaled to L2 norm `scale`; bias 0."""
+    """The released code's "normed" init: each output unit's weight vector rescaled to L2 norm `scale`; bias 0."""
     with torch.no_grad():
         w = layer.weight
         w.mul_(scale / w.flatten(1).norm(dim=1).view(-1, *[1] * (w.dim() - 1)))
@@ -226,7 +223,6 @@ class PPGAgent(nn.Module):
         return [p for p in self.parameters() if id(p) not in value]
 
 
-# ==== The PPG pieces: plain functions that main() and the tests call alike ============================================
 def moments(x: torch.Tensor) -> Tuple[float, float, float]:
     """(count, mean, population variance) of x's elements, in float64."""
     x = x.double()
@@ -315,7 +311,6 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
     return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
 
-# ==== The rollout and the two phases ==================================================================================
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """Every per-step array: name -> (shape of one step's entry, dtype). Allocation, both phases' minibatches and the
     memory check read this alone: a new per-step target is an entry here, the line that fills it, its loss."""
@@ -489,7 +484,6 @@ def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) ->
     return chunk, buffer_bytes, states * per_state
 
 
-# ==== main(): the paper's Algorithm 1 =================================================================================
 def main(args: Args, given: Optional[set] = None) -> None:
     # ---- Setup: every flag checked and every count derived (and printed) before any env, buffer or log exists ----
     args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
