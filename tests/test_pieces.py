@@ -168,8 +168,9 @@ def test_the_plan_line_gives_every_derived_count(script, tmp_path, monkeypatch, 
     assert "aux phases: 3; PPO minibatch 16 states, aux minibatch 16" in out
     assert "precision tf32 (a CPU has no TF32: plain fp32); chunks of 256 states" in out
     assert "a checkpoint after each phase, the first at step 96" in out  # phase 1: N_pi = 3 rollouts of 32 steps
-    frame_bytes = 3 * 4 * 8 * math.prod(script.OBS_SHAPE)  # B: N_pi x num_envs trajectories of 8 steps
-    assert f"buffers {frame_bytes / 2**30:.2f} GiB" in out
+    fields = script.buffer_fields(script.NUM_ACTIONS).values()  # B: N_pi x num_envs trajectories of 8 steps
+    buffer_bytes = 3 * 4 * 8 * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
+    assert f"; B {buffer_bytes / 2**30:.2f} GiB (uint8 frames)" in out
 
 
 @pytest.mark.parametrize("arch", ["dual", "shared"])
