@@ -47,7 +47,7 @@ def test_seed_worked_example(script):
     # KL(old || new), not KL(new || old): to 4 decimals 0.0038 against 0.0037, and exactly the formula's value
     p, q = torch.softmax(old, -1)[0].double(), torch.softmax(new, -1)[0].double()
     assert float(l_clone) == pytest.approx(float((p * (p / q).log()).sum()), abs=1e-7)
-    assert round(float(script.policy_kl(new, old)), 4) == 0.0037
+    assert round(float(script.kl_divergence(new, old)), 4) == 0.0037  # KL(p || q)
 
 
 def test_gae_with_episode_boundary(script):
