@@ -1,8 +1,7 @@
-"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Atari (ale-py, Nature CNN), one file read top to bottom.
-Where each idea lives: flags in `Args` (checked, every count derived, in `make_plan`); the networks in `PPGAgent`, their
-outputs by name in `AgentOutput` (a new head: `PPGAgent.extra_heads`); the losses in `policy_phase_loss` (L_clip or
-L_KL, entropy, L_value) and `aux_phase_loss` (L_joint, L_value); per-step data in `buffer_fields`, the one table of what
-the buffer B stores; advantages and value targets in `compute_targets`; the schedule in `main()`, Algorithm 1."""
+"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Atari (ale-py, Nature CNN): one file, top to bottom.
+Where each idea lives: flags in `Args`, checked in `make_plan`; networks in `PPGAgent` (outputs by name: `AgentOutput`;
+a new head: `extra_heads`); losses in `policy_phase_loss` (L_clip or L_KL, entropy, L_value) and `aux_phase_loss`
+(L_joint, L_value); B's per-step arrays in `buffer_fields`; targets in `compute_targets`; Algorithm 1 in `main()`."""
 
 import dataclasses
 import math
@@ -31,25 +30,21 @@ CPU_STEPS_PER_S = 78  # PPG at the defaults, fp32, one thread of an AMD EPYC (Br
 SCRIPT = os.path.basename(__file__)
 
 
-# ==== Arguments =======================================================================================================
 @dataclasses.dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # run name: {env_id}__{exp_name}__{seed}__{time}
     seed: int = 1  # seed of python, numpy, torch and the envs (env i gets seed + i), in [0, 2^31)
     torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
     cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers live there too)
-    save_model: bool = False  # if toggled, save the weights to `runs/{run_name}/{exp_name}.pt`
     resume: Optional[str] = None  # go on with the run in this folder (or checkpoint file)
     track: bool = False  # if toggled, mirror every TensorBoard scalar to Weights & Biases
     wandb_project_name: str = "ppg"  # the W&B project of --track
     wandb_entity: Optional[str] = None  # the W&B user or team of --track (None: yours)
-
     env_id: str = "BreakoutNoFrameskip-v4"  # the game, as `BreakoutNoFrameskip-v4` or `ALE/Breakout-v5`
     repeat_action_probability: Optional[float] = None  # sticky actions (None: 0 for v4 ids, 0.25 for v5)
     episodic_life: bool = True  # if toggled, a lost life ends a training episode (logs: whole games)
     clip_rewards: bool = True  # if toggled, train on sign(reward) (logged returns: raw game scores)
     max_episode_frames: int = 108_000  # a game ends after this many emulator frames (30 minutes)
-
     total_timesteps: int = 10_000_000  # env steps in all (rounded up to whole rollouts)
     learning_rate: float = 2.5e-4  # Adam learning rate of both phases (constant; CleanRL anneals)
     anneal_lr: bool = False  # if toggled, every Adam's rate falls linearly to 0 over the run (CleanRL)
@@ -64,7 +59,6 @@ class Args:
     kl_penalty: float = 0.0  # weight of L_KL's penalty 0.5 mean(log ratio^2) (the paper: --clip-coef 0 --kl-penalty 1)
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
-
     # `dual`: policy and value networks apart; `detach`: value head on detached features; `shared`: PPO's
     arch: Literal["dual", "detach", "shared"] = "dual"
     n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
@@ -77,8 +71,7 @@ class Args:
     aux_kl_stop: float = 0.0  # KL guard: end the aux phase after an epoch whose mean KL(pi_old || pi) > this (0: off)
     # states a forward/backward chunk: the same update, less memory (0: whole minibatches; None: 256 on a CPU)
     micro_batch_size: Optional[int] = None
-    # `fp32`; `tf32`: TF32 matmuls and convolutions on a GPU (fp32 on a CPU); `bf16`: trunks in bf16
-    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"  # `tf32`: TF32 on a GPU (a CPU: fp32); `bf16`: trunks in bf16
 
 
 def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
@@ -89,8 +82,7 @@ def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
 
 
 def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str, int]:
-    """Refuse in one line the values tyro accepts but the run cannot use; derive the run's counts once. A resumed run
-    (start_step, start_phase) begins a new phase at its checkpoint: its phases are counted on from there."""
+    """Refuse in one line what tyro takes but a run cannot use; derive its counts (a resume's: from its checkpoint)."""
     for name, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             sys.exit(f"error: --{name.replace('_', '-')} must be a finite number (got {value})")
@@ -99,10 +91,9 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     rules = dict(num_envs=at_least_1, num_steps=at_least_1, num_minibatches=at_least_1, n_pi=at_least_1)
     rules.update(e_pi=at_least_1, e_v=at_least_1, total_timesteps=at_least_1, aux_mb_trajectories=at_least_1)
     rules.update(e_aux=at_least_0, micro_batch_size=at_least_0, beta_clone=at_least_0, ent_coef=at_least_0)
-    rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, max_episode_frames=at_least_1)
+    rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, max_episode_frames=at_least_1, gae_lambda=fraction)
     rules.update(learning_rate=positive, clip_coef=at_least_0, kl_penalty=at_least_0, gamma=fraction)
-    rules.update(gae_lambda=fraction, reward_norm_gamma=fraction)
-    rules.update(repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
+    rules.update(reward_norm_gamma=fraction, repeat_action_probability=("lie in [0, 1)", lambda v: 0 <= v < 1))
     rules.update(seed=("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31))
     for name, (rule, ok) in rules.items():
         value = getattr(args, name)
@@ -126,7 +117,6 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
     return dict(num_iterations=num_iterations, num_phases=num_phases, aux_phases=aux_phases, trajectories=trajectories)
 
 
-# ==== Environment =====================================================================================================
 class AtariVecEnv:
     """ale-py's vector env (frame-skip 4, max-pooled, 84x84 gray, 4 stacked): uint8 HWC frames, the TRAINING reward and
     done (clipped; a lost life counts), and each finished GAME's (env, raw score, length): the number papers report."""
@@ -161,11 +151,7 @@ class AtariVecEnv:
         train_dones = game_over | life_lost if self.args.episodic_life else game_over
         return np.ascontiguousarray(obs.transpose(0, 2, 3, 1)), train_rewards.astype(np.float32), train_dones, finished
 
-    def close(self) -> None:
-        self.env.close()
 
-
-# ==== Networks: Nature CNN with orthogonal initialisation =============================================================
 def orthogonal_init_(layer: nn.Module, gain: float) -> nn.Module:
     """Orthogonal weights with this gain, bias 0: the init of the standard PPO Atari recipe."""
     nn.init.orthogonal_(layer.weight, gain)
@@ -194,7 +180,7 @@ class NatureEncoder(nn.Module):
 
 
 class AgentOutput(NamedTuple):
-    """What the network returns, by name (no call site unpacks it by position): a new head is a new field."""
+    """What the network returns, by name (no call site unpacks it by position): a new head's output is in `heads`."""
 
     logits: torch.Tensor  # the policy's logits, fp32
     value: torch.Tensor  # V: the true value head
@@ -204,8 +190,7 @@ class AgentOutput(NamedTuple):
 
 
 class PPGAgent(nn.Module):
-    """Policy network: trunk + policy head + auxiliary value head. The true value head sits on its own trunk (`dual`:
-    the value network), on the policy trunk's detached features (`detach`), or on the policy trunk (`shared`: PPO's)."""
+    """Policy network: trunk, policy head, aux value head; the true value head where --arch puts it (see Args.arch)."""
 
     def __init__(self, args: Args, obs_shape: Tuple[int, ...], num_actions: int):
         super().__init__()
@@ -216,22 +201,17 @@ class PPGAgent(nn.Module):
         self.aux_value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
         self.v_trunk = NatureEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
-        # A new head: an entry here (extra_heads["reward"] = nn.Linear(width, 1)) and a loss term on out.heads["reward"].
-        # Its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
+        # A new head: extra_heads["reward"] = nn.Linear(width, 1) here, read in a loss as out.heads["reward"];
+        # its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
         self.extra_heads = nn.ModuleDict()
 
-    def features(self, trunk: nn.Module, obs: torch.Tensor) -> torch.Tensor:
-        """The one place precision is chosen: with bf16 the trunk runs under autocast; heads and losses stay fp32."""
-        with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
-            return trunk(obs).float()
-
     def forward(self, obs: torch.Tensor, terms=("policy", "value")) -> AgentOutput:
-        """Every output. With `dual`, a call for one term runs that term's network alone: the pi_old snapshot and the
-        E_pi != E_V epochs skip the network they do not train (its outputs are None)."""
-        h = self.features(self.pi_trunk, obs) if "policy" in terms or self.arch != "dual" else None
-        if self.arch == "dual":
-            v = self.features(self.v_trunk, obs) if "value" in terms else None
-        else:
+        """Every output; with `dual`, one term runs its network alone (pi_old, E_pi != E_V epochs), the other's None."""
+        # The one place precision is chosen: with bf16 the trunks run under autocast; heads and losses stay fp32
+        with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
+            h = self.pi_trunk(obs).float() if "policy" in terms or self.arch != "dual" else None
+            v = self.v_trunk(obs).float() if self.arch == "dual" and "value" in terms else None
+        if self.arch != "dual":
             v = h.detach() if self.arch == "detach" else h
         logits = None if h is None else self.pi_head(h)
         value = None if v is None else self.value_head(v).squeeze(-1)
@@ -247,7 +227,6 @@ class PPGAgent(nn.Module):
         return [p for p in self.parameters() if id(p) not in value]
 
 
-# ==== The PPG pieces: plain functions that main() and the tests call alike ============================================
 def moments(x: torch.Tensor) -> Tuple[float, float, float]:
     """(count, mean, population variance) of x's elements, in float64."""
     x = x.double()
@@ -285,8 +264,7 @@ class RewardNormalizer:
 
 
 def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
-    """Generalised advantage estimation over (num_envs, num_steps) tensors; ended[:, t] is True when step t's
-    transition ended its episode (the value after it is 0). Returns (advantages, returns = advantages + values)."""
+    """GAE over (num_envs, num_steps) tensors; ended[:, t]: step t ended its episode (the value after it is 0)."""
     advantages, last = torch.zeros_like(rewards), torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[1])):
         following = next_value if t == rewards.shape[1] - 1 else values[:, t + 1]
@@ -298,15 +276,14 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
 
 
 def kl_divergence(p_logits, q_logits):
-    """KL(p || q) of the categoricals with these logits, exact over all actions, averaged over states. PPG's clone
-    loss is KL(pi_old || pi): kl_divergence(pi_old_logits, logits)."""
+    """KL(p || q) of the categoricals with these logits, exact over all actions, averaged over states."""
     p_logp = F.log_softmax(p_logits, dim=-1)
     return (p_logp.exp() * (p_logp - F.log_softmax(q_logits, dim=-1))).sum(-1).mean()
 
 
 def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
     """PPO's surrogate (L_clip, or L_KL's penalised one) minus the entropy bonus (`policy`) plus 0.5 MSE of V (`value`):
-    (loss, stats). mb is a --micro-batch-size chunk: a statistic over a whole minibatch belongs in policy_phase_update."""
+    (loss, stats). mb is a --micro-batch-size chunk: a whole minibatch's statistic belongs in policy_phase_update."""
     loss, stats = 0.0, {}
     if "policy" in terms:
         logprobs = F.log_softmax(out.logits, dim=-1)
@@ -330,8 +307,7 @@ def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args,
 
 
 def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
-    """L_joint = 0.5 (V_aux - V_hat)^2 + beta_clone KL(pi_old || pi) on the policy network, plus the value network's
-    L_value = 0.5 (V - V_hat)^2: (loss, stats). mb is a chunk, as in policy_phase_loss."""
+    """The paper's L_joint (policy network) plus L_value (value network): (loss, stats); mb is a chunk, as above."""
     l_aux = 0.5 * (out.aux_value - mb["returns"]).pow(2).mean()
     l_clone = kl_divergence(mb["pi_old_logits"], out.logits)  # KL(pi_old || pi)
     joint = l_aux + args.beta_clone * l_clone
@@ -339,15 +315,6 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
     return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
 
 
-@torch.no_grad()
-def snapshot_policy(agent: PPGAgent, obs_buffer: torch.Tensor, chunk: int) -> torch.Tensor:
-    """pi_old: the logits of the policy as it is NOW (after the policy phase) on every state of B, not the rollout's.
-    Logits: kl_divergence normalises both sides alike, so an unchanged policy has a KL of exactly 0."""
-    logits = [agent(part, terms=("policy",)).logits for part in obs_buffer.flatten(0, 1).split(chunk)]
-    return torch.cat(logits).view(*obs_buffer.shape[:2], -1)
-
-
-# ==== The rollout and the two phases ==================================================================================
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """Every per-step array: name -> (shape of one step's entry, dtype). Allocation, both phases' minibatches and the
     memory check read this alone: a new per-step target is an entry here, the line that fills it, its loss."""
@@ -399,8 +366,7 @@ def compute_targets(ro: Dict[str, torch.Tensor], next_value, args: Args, reward_
 
 
 def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args: Args, loss_of) -> Dict:
-    """One step on mb's mean loss, backpropagated in --micro-batch-size chunks weighted by their share: a whole pass's
-    gradient, one chunk's activations alive at a time. Each network's norm is clipped apart. Returns the stats."""
+    """One step on mb's mean loss, backpropagated in chunks weighted by their share (the same gradient, less memory)."""
     n, stats = mb["obs"].shape[0], {}
     for start in range(0, n, args.micro_batch_size or n):
         part = slice(start, min(start + (args.micro_batch_size or n), n))
@@ -427,8 +393,7 @@ def minibatch_means(logs: Dict[str, List[torch.Tensor]], where: str) -> Dict[str
 
 
 def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, value_optimizer=None):
-    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout, in shuffled minibatches, as the released code:
-    E_pi == E_V: one backward carries both; else the E_V epochs (their own Adam) run first. Returns the means."""
+    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout's shuffled minibatches, as the released code."""
     n, logs = batch["obs"].shape[0], defaultdict(list)
     epochs = [(("policy", "value"), args.e_pi, optimizer)]
     if args.e_pi != args.e_v:
@@ -447,11 +412,13 @@ def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tenso
 
 
 def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor], args: Args) -> List[Dict]:
-    """pi_old snapshot into B, then E_aux epochs of aux_phase_loss over minibatches of whole trajectories; the KL
-    guard stops after an epoch whose mean KL(pi_old || pi) exceeds --aux-kl-stop."""
+    """pi_old into B, then E_aux epochs of aux_phase_loss on minibatches of whole trajectories (fewer: the KL guard)."""
     obs, epochs = buffers["obs"], []
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
-    buffers["pi_old_logits"].copy_(snapshot_policy(agent, obs, chunk))
+    # pi_old: the policy NOW (after the policy phase) on all of B; logits, so an unchanged policy has KL exactly 0
+    with torch.no_grad():
+        logits = [agent(part, terms=("policy",)).logits for part in obs.flatten(0, 1).split(chunk)]
+        buffers["pi_old_logits"].copy_(torch.cat(logits).view(*obs.shape[:2], -1))
 
     def loss_of(c):  # the loss, and the guard's KL(pi_old || pi): clone_kl, unless a hack changes the clone loss
         out = agent(c["obs"])
@@ -473,18 +440,6 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
     return epochs
 
 
-def eta_text(args: Args, plan: Dict[str, int], rollouts_left: int, timings: Dict[str, List[float]]) -> str:
-    """The time left: the rollouts left at this start's mean time; the aux phases left at the last one's time or, before
-    one has run, at the update's time scaled by trunk passes (E_aux epochs over B; the pi_old snapshot, a third)."""
-    trunks = 2 if args.arch == "dual" else 1
-    update_passes = args.e_pi * trunks if args.e_pi == args.e_v else args.e_pi + args.e_v
-    aux_seconds = np.mean(timings["update"]) * args.n_pi * (args.e_aux * trunks + 1 / 3) / update_passes
-    aux_seconds = timings["aux"][-1] if timings["aux"] else aux_seconds
-    seconds = rollouts_left * np.mean(timings["rollout"]) + (plan["aux_phases"] - len(timings["aux"])) * aux_seconds
-    minutes = round(seconds / 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds:.0f}s"
-
-
 def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, str]:
     """The checkpoint of --resume and the run's flags from it (a flag added since: its default), but for those a resume
     may change that the command line names (`given`; None: those off their defaults). Returns (args, ckpt, folder)."""
@@ -498,16 +453,16 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
     except Exception as e:  # missing, truncated, another script's, or not a torch file at all
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
     fields = [field.name for field in dataclasses.fields(Args)]
+    state["args"].pop("save_model", None)  # a flag of older versions: checkpoint.pt holds the weights
     if unknown := sorted(set(state["args"]) - set(fields)):
         sys.exit(f"error: --resume {path}: written by a version of {SCRIPT} with flags this one lacks: {unknown}")
     saved = dict(vars(Args()), **state["args"])
     if given is None:
         given = {name for name in fields if getattr(args, name) != getattr(Args(), name)}
-    may_change = ["resume", "total_timesteps", "cuda", "save_model", "micro_batch_size", "track"]
-    may_change += ["wandb_project_name", "wandb_entity"]
+    allowed = ["resume", "total_timesteps", "cuda", "micro_batch_size", "track", "wandb_project_name", "wandb_entity"]
     for name in sorted(given & set(fields)):
         value = getattr(args, name)
-        if name not in may_change and value != saved[name]:
+        if name not in allowed and value != saved[name]:
             sys.exit(f"error: --{name.replace('_', '-')} {value}: a resumed run keeps its flags ({saved[name]})")
         if name == "total_timesteps" and value < saved[name]:
             sys.exit(f"error: --total-timesteps may only be raised on --resume (the run's: {saved[name]})")
@@ -517,18 +472,15 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
 
 def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) -> Tuple[int, int, int]:
     """(--micro-batch-size to run with, bytes of B, bytes of a chunk's activations at ACTIVATION_BYTES a state and
-    trunk). None chooses 256 on a CPU (among the fastest: tools/benchmark.py --sweep); on a GPU, whole minibatches (0)
-    or, where they do not fit beside B, the largest power of 2 that does. Exits in one line if they exceed `free`."""
+    trunk); exits in one line if over `free`. None: 256 on a CPU (among the fastest: tools/benchmark.py --sweep)."""
     fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
     buffer_bytes = math.prod(rows) * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
     per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)  # `dual` runs both trunks in a step
     largest = max(args.num_envs * args.num_steps // args.num_minibatches, args.aux_mb_trajectories * args.num_steps)
     fits = int(max(free - buffer_bytes, 0) // per_state)  # the states whose activations fit beside B
-    chunk = args.micro_batch_size
-    if chunk is None and on_gpu:
+    chunk = 256 if args.micro_batch_size is None and not on_gpu else args.micro_batch_size
+    if chunk is None:  # on a GPU: whole minibatches (0) if they fit beside B, else the largest power of 2 that does
         chunk = 0 if fits >= largest else 2 ** max(fits.bit_length() - 1, 0)
-    elif chunk is None:
-        chunk = 256
     states = min(chunk or largest, largest)
     if states > fits:
         gib = f"B {buffer_bytes / 2**30:.1f} GiB, chunks of {states} states {states * per_state / 2**30:.1f} GiB"
@@ -536,7 +488,6 @@ def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) ->
     return chunk, buffer_bytes, states * per_state
 
 
-# ==== main(): the paper's Algorithm 1 =================================================================================
 def main(args: Args, given: Optional[set] = None) -> None:
     # ---- Setup: every flag checked and every count derived (and printed) before any env, buffer or log exists ----
     args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
@@ -574,7 +525,6 @@ def main(args: Args, given: Optional[set] = None) -> None:
     hours = (num_iterations - iteration) * batch_size / CPU_STEPS_PER_S / 3600
     if device.type == "cpu" and hours > 3:  # a GPU's job: say so now, not at the first ETA minutes from now
         print(f"note: on a CPU this takes about {hours:.0f} h ({CPU_STEPS_PER_S} env steps/s on 2 cores): a GPU's job")
-
     seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume: another stream (31 bits for the env)
     random.seed(seed)
     np.random.seed(seed)
@@ -593,16 +543,13 @@ def main(args: Args, given: Optional[set] = None) -> None:
         os.makedirs(run_dir, exist_ok=bool(ckpt))
     except FileExistsError:
         sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
-    # On --resume, purge_step hides what the stopped run logged after its checkpoint: no step is logged twice
-    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)
+    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)  # a resume logs no step twice
     writer.add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-
     # The envs, the networks, the optimizers, the buffer B
     envs = AtariVecEnv(args, args.num_envs, seed)
     agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)
-    # Adams that persist across phases: the policy phase's, the aux phase's, the value epochs' (when E_pi != E_V)
     optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
-    policy_optimizer, aux_optimizer, value_optimizer = optimizers
+    policy_optimizer, aux_optimizer, value_optimizer = optimizers  # kept across phases (value's: when E_pi != E_V)
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
     stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer)
@@ -623,13 +570,13 @@ def main(args: Args, given: Optional[set] = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    start_time, start_step, timings = time.time(), global_step, dict(rollout=[], update=[], aux=[])  # SPS and ETA
+    start_time, start_step = time.time(), global_step  # SPS and the ETA: this start's mean rate
     try:
         while iteration < num_iterations:
             phase, phase_start = phase + 1, time.time()
             # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
             for i in range(min(args.n_pi, num_iterations - iteration)):
-                iteration, rollout_start = iteration + 1, time.time()
+                iteration += 1
                 slot = i if plan["aux_phases"] else 0  # B holds N_pi rollouts; without aux phases, one
                 ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}  # views
                 if args.anneal_lr:  # by the planned total (a raised one too); the aux phase keeps the last rate
@@ -644,10 +591,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
                     writer.add_scalar("charts/episodic_length", length, step)
                     recent_returns.append(ep_return)
                 batch = {k: v.flatten(0, 1) for k, v in ro.items()}  # the rollout's states
-                update_start = time.time()
                 stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer)
-                timings["update"].append(time.time() - update_start)
-                timings["rollout"].append(time.time() - rollout_start)
                 for k, v in dict(stats, explained_variance=explained_variance).items():
                     writer.add_scalar(f"losses/{k}", v, global_step)
                 writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
@@ -656,20 +600,19 @@ def main(args: Args, given: Optional[set] = None) -> None:
                 progress = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
                 mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"  # last 100
                 losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
-                eta = eta_text(args, plan, num_iterations - iteration, timings)
+                seconds_left = (num_iterations - iteration) * batch_size / sps  # at this start's mean rate, so
+                minutes = round(seconds_left / 60)  # short by the aux phases' share until this start's first has run
+                eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds_left:.0f}s"
                 print(f"{progress} SPS {sps:.0f} ETA {eta} return {mean_return} {losses}", flush=True)
-
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
             aux_epochs, aux_start = [], time.time()
             if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout: nothing would use it
                 aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args)
-                timings["aux"].append(time.time() - aux_start)
                 aux_epochs_done += len(aux_epochs)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB to GiB
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak
             seconds = f"{time.time() - phase_start:.1f}s (aux phase {time.time() - aux_start:.1f}s)"
             print(f"phase {phase} done in {seconds}; peak {'GPU ' * (device.type == 'cuda')}memory {peak:.2f} GiB")
-
             # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
             for k, v in (aux_epochs[-1] if aux_epochs else {}).items():  # the aux phase's last epoch, on env steps
                 writer.add_scalar(f"aux_phase/{k}", v, global_step)
@@ -687,10 +630,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
                     writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux_epochs) + 1 + epoch)
     finally:
         writer.close()
-    envs.close()
-    if args.save_model:
-        model = dict(script=SCRIPT, run_name=run_name, args=vars(args), agent=agent.state_dict())
-        torch.save(model, f"{run_dir}/{args.exp_name}.pt")
+    envs.env.close()
     print(f"checkpoint: {run_dir}/checkpoint.pt; evaluate it: python tools/evaluate.py {run_dir}/checkpoint.pt")
 
 
@@ -698,15 +638,11 @@ if __name__ == "__main__":
     # The flags named on the command line (--no-cuda names cuda), by our names: --resume tells them apart
     given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
     aliases = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
-    cleanrl = dict(  # CleanRL's flags that have no namesake here: what to use instead
-        capture_video="tools/evaluate.py --capture-video records a saved policy",
-        v_value="--e-v gives the value epochs a rollout",
-        vf_coef="the value network has its own loss, unweighted (as the released code)",
-        target_kl="the policy epochs never stop early; the aux phase has --aux-kl-stop",
-        clip_vloss="the value loss is unclipped, as in the paper",
-        n_aux_grad_accum="--micro-batch-size gives the same update in less memory",
-        adv_norm_fullbatch="advantages are always normalised over the whole rollout",
-    )
+    # CleanRL's flags that have no namesake here: what to use instead
+    cleanrl = dict(v_value="--e-v", n_aux_grad_accum="--micro-batch-size", clip_vloss="the value loss is unclipped")
+    cleanrl.update(capture_video="tools/evaluate.py --capture-video", vf_coef="the value network's loss is unweighted")
+    cleanrl.update(target_kl="--aux-kl-stop (aux phase)", adv_norm_fullbatch="advantages are normalised per rollout")
+    cleanrl.update(save_model="runs/<run>/checkpoint.pt holds the weights after every phase")
     for name in sorted(given & cleanrl.keys()):
         sys.exit(f"error: --{name.replace('_', '-')} is CleanRL's flag: here {cleanrl[name]}")
     main(tyro.cli(Args), {aliases.get(name, name) for name in given})

@@ -54,13 +54,13 @@ TINY_FLAGS = {
     "ppg_procgen.py": ["--env-id", "dodgeball", *_TINY],
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *_TINY],
 }
-# The shared run's optional features: a model file; training levels (Procgen's alone) or, on Atari, the reward
+# The shared run's optional features: training levels (Procgen's alone) or, on Atari, the reward
 # normaliser (off by default there), so that a resume of the shared run restores a used normaliser; and a seed near
 # the top of its range, so that a resumed phase's and tools/evaluate.py's seeds wrap.
 TOP_SEED = 2**31 - 100
 SHARED_EXTRA = {
-    "ppg_procgen.py": ["--save-model", "--num-levels", "10", "--seed", str(TOP_SEED)],
-    "ppg_atari.py": ["--save-model", "--norm-reward", "--seed", str(TOP_SEED)],
+    "ppg_procgen.py": ["--num-levels", "10", "--seed", str(TOP_SEED)],
+    "ppg_atari.py": ["--norm-reward", "--seed", str(TOP_SEED)],
 }
 
 _modules = {}

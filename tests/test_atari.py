@@ -35,7 +35,7 @@ def _play(clip_rewards: bool, episodic_life: bool, steps: int = 700):
         rewards.append(r)
         dones.append(d)
         games += finished
-    envs.close()
+    envs.env.close()
     return np.array(rewards), np.array(dones), games
 
 

@@ -201,17 +201,18 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_checkpoint_from_before_a_new_flag_resumes_and_evaluates(name, tiny_run, tmp_path, monkeypatch, capsys):
-    """The shared run's checkpoint and model file as a version before --anneal-lr wrote them (one flag fewer): the
-    flag takes its default, and the run resumes and tools/evaluate.py reads both files (saying so in one line)."""
+    """The shared run's checkpoint as a version before --anneal-lr wrote it (one flag fewer, and --save-model, a flag
+    since removed): the new flag takes its default, the removed one is dropped, and the run resumes and
+    tools/evaluate.py reads the file (saying so in one line)."""
     from test_evaluate import run_tool
 
     run = copy_run(tiny_run(name), tmp_path)
-    for file in (run / "checkpoint.pt", run / f"{name[:-3]}.pt"):
-        state = torch.load(file, weights_only=True)
-        del state["args"]["anneal_lr"]
-        torch.save(state, file)
-        out = run_tool(monkeypatch, capsys, str(file), "--episodes", "2", "--cpu")
-        assert "written before --anneal-lr: its default taken" in out and "mean return" in out
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    del state["args"]["anneal_lr"]
+    state["args"]["save_model"] = True
+    torch.save(state, run / "checkpoint.pt")
+    out = run_tool(monkeypatch, capsys, str(run / "checkpoint.pt"), "--episodes", "2", "--cpu")
+    assert "written before --anneal-lr: its default taken" in out and "mean return" in out
     main_in_process(load_script(name), ["--resume", str(run), "--total-timesteps", "256"], tmp_path, monkeypatch)
     state = checkpoint(run)
     assert state["global_step"] == 256 and state["args"]["anneal_lr"] is False

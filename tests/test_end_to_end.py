@@ -59,16 +59,18 @@ def check_tiny_run(stdout: str, scalars: dict, precision: str) -> None:
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_tiny_run(name, tiny_run):
-    """The shared run, as a user starts it (dual, fp32, --save-model; Procgen on 10 training levels)."""
+    """The shared run, as a user starts it (dual, fp32; Procgen on 10 training levels)."""
     run = tiny_run(name)
     assert "Traceback" not in run.stderr and "Gym has been unmaintained" not in run.stderr
     check_tiny_run(run.stdout, run.scalars, "fp32")
-    # --save-model: the final weights, as the last checkpoint holds them, and the flags
-    saved = run.run_dir / f"{name[:-3]}.pt"
-    model, checkpoint = (torch.load(p, weights_only=True) for p in (saved, saved.with_name("checkpoint.pt")))
-    assert model["args"]["save_model"] and model["args"]["num_envs"] == 2
-    assert model["agent"].keys() == checkpoint["agent"].keys()
-    assert all(torch.equal(model["agent"][k], checkpoint["agent"][k]) for k in model["agent"])
+    # CleanRL's --save-model file is the last checkpoint: the final weights, which rebuild the agent, and the flags
+    assert list(run.run_dir.glob("*.pt")) == [run.run_dir / "checkpoint.pt"]
+    checkpoint = torch.load(run.run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["global_step"] == 192 and checkpoint["args"]["num_envs"] == 2
+    script = load_script(name)
+    num_actions = checkpoint["agent"]["pi_head.weight"].shape[0]
+    agent = script.PPGAgent(script.Args(**checkpoint["args"]), script.OBS_SHAPE, num_actions)
+    agent.load_state_dict(checkpoint["agent"])  # strict: every weight there, none missing
 
 
 @pytest.mark.parametrize("arch", ["detach", "shared"])
@@ -159,6 +161,14 @@ def test_bad_input_gives_one_line(name, tmp_path, monkeypatch):
         stderrs.append(proc.stderr)
     errors = [line for line in stderrs[0].splitlines() if line]  # our refusal: one line and nothing else
     assert len(errors) == 1 and errors[0].startswith("error: ")
+
+
+def test_cleanrls_save_model_names_the_checkpoint(tmp_path):
+    """CleanRL's --save-model has no namesake (checkpoint.pt holds the weights): one line says so, before any run."""
+    proc = run_script("ppg_procgen.py", "--save-model", cwd=tmp_path)
+    assert proc.returncode == 1 and not (tmp_path / "runs").exists(), proc.stderr[-2000:]
+    message = "error: --save-model is CleanRL's flag: here runs/<run>/checkpoint.pt holds the weights after every phase"
+    assert proc.stderr.strip() == message
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

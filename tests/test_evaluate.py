@@ -1,5 +1,6 @@
-"""tools/evaluate.py on real files: the shared tiny run of each script (conftest's tiny_run) wrote a checkpoint and
-a --save-model file; the tool rebuilds the policy and envs from each and reports whole episodes' returns."""
+"""tools/evaluate.py on real files: the shared tiny run of each script (conftest's tiny_run) wrote a checkpoint, and
+an older version's --save-model file is made from it; the tool rebuilds the policy and envs from each and reports
+whole episodes' returns."""
 
 import importlib.util
 import json
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import PATIENCE_S, ROOT, SCRIPTS, copy_run
 
@@ -63,7 +65,10 @@ def run_tool(monkeypatch, capsys, *argv: str, levels=None) -> str:
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_evaluate_checkpoint_and_saved_model(tmp_path, name, tiny_run, monkeypatch, capsys):
     run_dir = copy_run(tiny_run(name), tmp_path)  # the tool writes its reports beside the file
-    saved_model = run_dir / f"{name[:-3]}.pt"
+    # an older version's --save-model file: the weights and the flags (--save-model among them), no step
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    saved_model, args = run_dir / f"{name[:-3]}.pt", dict(state["args"], save_model=True)
+    torch.save(dict(script=name, run_name=state["run_name"], args=args, agent=state["agent"]), saved_model)
     # the shared Procgen run trained on levels 0..9: a set of those and one of unseen levels; Atari: whole games
     expected = (
         ["training levels 0..9", "full distribution (unseen levels)"] if name == "ppg_procgen.py" else ["whole games"]

@@ -28,9 +28,9 @@ def patched_script(diff: str, tmp_path):
 
 
 def final_parameters(script, flags, cwd, monkeypatch) -> dict:
-    main_in_process(script, [*flags, "--save-model", "--exp-name", "final"], cwd, monkeypatch)
-    (model,) = cwd.glob("runs/*/final.pt")
-    return torch.load(model, weights_only=True)["agent"]
+    main_in_process(script, [*flags, "--exp-name", "final"], cwd, monkeypatch)
+    (checkpoint,) = cwd.glob("runs/*/checkpoint.pt")  # the weights after the last phase
+    return torch.load(checkpoint, weights_only=True)["agent"]
 
 
 def test_the_guide_has_three_examples():

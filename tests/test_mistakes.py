@@ -365,8 +365,9 @@ def test_anneal_lr_survives_a_stop_and_follows_a_raised_budget(tmp_path, monkeyp
 
 
 def test_the_memory_check_counts_what_main_allocates(script, tmp_path, monkeypatch):
-    """The check compares B's bytes, from buffer_fields as main() allocates them (frames uint8), with free memory:
-    a run whose B does not fit stops in one line before any env exists, naming the flags that shrink it."""
+    """The check compares B's bytes, from buffer_fields as main() allocates them (frames uint8), and a chunk's
+    activations with free memory: a run that does not fit stops in one line before any env exists, naming the flags
+    that shrink it."""
     from conftest import refusal
 
     fields = script.buffer_fields(script.NUM_ACTIONS)
@@ -393,4 +394,6 @@ def test_the_memory_check_counts_what_main_allocates(script, tmp_path, monkeypat
         "1",
     ]
     message = refusal(script, flags, tmp_path, monkeypatch)
-    assert f"B needs {32 * steps * per_step / 2**30:.1f} GiB, 0.5 GiB is free: lower --n-pi or --num-envs" in message
+    chunk = f"chunks of 256 states {256 * 2 * script.ACTIVATION_BYTES / 2**30:.1f} GiB"  # a CPU's chunk, two trunks
+    fix = "lower --n-pi, --num-envs or --micro-batch-size"
+    assert message == f"error: B {32 * steps * per_step / 2**30:.1f} GiB, {chunk}: over the 0.5 GiB free: {fix}"

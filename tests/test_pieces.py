@@ -1,6 +1,7 @@
 """Unit tests of the pieces each script trains with: losses, GAE, init, reward normaliser,
 chunked gradients, gradient isolation between the phases, the pi_old snapshot, the KL guard."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -46,7 +47,7 @@ def test_seed_worked_example(script):
     # KL(old || new), not KL(new || old): to 4 decimals 0.0038 against 0.0037, and exactly the formula's value
     p, q = torch.softmax(old, -1)[0].double(), torch.softmax(new, -1)[0].double()
     assert float(l_clone) == pytest.approx(float((p * (p / q).log()).sum()), abs=1e-7)
-    assert round(float(script.policy_kl(new, old)), 4) == 0.0037
+    assert round(float(script.kl_divergence(new, old)), 4) == 0.0037  # KL(p || q)
 
 
 def test_gae_with_episode_boundary(script):
@@ -167,8 +168,9 @@ def test_the_plan_line_gives_every_derived_count(script, tmp_path, monkeypatch, 
     assert "aux phases: 3; PPO minibatch 16 states, aux minibatch 16" in out
     assert "precision tf32 (a CPU has no TF32: plain fp32); chunks of 256 states" in out
     assert "a checkpoint after each phase, the first at step 96" in out  # phase 1: N_pi = 3 rollouts of 32 steps
-    frame_bytes = 3 * 4 * 8 * math.prod(script.OBS_SHAPE)  # B: N_pi x num_envs trajectories of 8 steps
-    assert f"buffers {frame_bytes / 2**30:.2f} GiB" in out
+    fields = script.buffer_fields(script.NUM_ACTIONS).values()  # B: N_pi x num_envs trajectories of 8 steps
+    buffer_bytes = 3 * 4 * 8 * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
+    assert f"; B {buffer_bytes / 2**30:.2f} GiB (uint8 frames)" in out
 
 
 @pytest.mark.parametrize("arch", ["dual", "shared"])
@@ -317,7 +319,9 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
     aux = script.auxiliary_phase(agent, torch.optim.Adam(agent.parameters(), lr=1e-2), buffers, args)
     assert aux[0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
     assert aux[1]["clone_kl"] > 1e-5
-    old = script.snapshot_policy(agent, obs_buf, chunk=5)
+    # a snapshot alone (E_aux 0), taken now in chunks of 5 states: the policy as it is after the updates
+    script.auxiliary_phase(agent, None, buffers, dataclasses.replace(args, e_aux=0, micro_batch_size=5))
+    old = buffers["pi_old_logits"]
     assert old.shape == (4, 8, A)
     with torch.no_grad():
         # the policy's logits as it is now (not log-probabilities), up to fp32 kernels' batch-size effects
@@ -386,18 +390,3 @@ def test_policy_minibatches_skip_what_their_losses_do_not_read(script, e_pi, e_v
         assert passes == {"pi": 2 * e_pi, "v": 2 * e_pi}
     else:
         assert passes == {"pi": 2 * e_pi, "v": 2 * e_v}
-
-
-def test_the_eta_counts_the_aux_phases_from_the_first_rollout(script):
-    """Before an aux phase has run, the ETA costs each one left from the policy update's time: an aux phase runs
-    E_aux epochs of each trunk over B (N_pi rollouts' states) and the pi_old snapshot (a third of a trunk pass); an
-    update runs one pass of each trunk over one rollout (E_pi == E_V). Once one has run, its measured time counts."""
-    args = script.Args()  # dual, N_pi 32, E_aux 6, E_pi = E_V = 1
-    plan = dict(aux_phases=2)
-    timings = dict(rollout=[10.0], update=[4.0], aux=[])
-    aux_estimate = 4.0 * 32 * (6 * 2 + 1 / 3) / 2  # 789.3 s
-    assert script.eta_text(args, plan, 63, timings) == f"0h{round((63 * 10 + 2 * aux_estimate) / 60):02d}m"
-    timings["aux"].append(1000.0)  # one aux phase ran: one left, at its time
-    assert script.eta_text(args, plan, 31, timings) == f"0h{round((31 * 10 + 1000) / 60):02d}m"
-    assert script.eta_text(args, dict(aux_phases=0), 2, dict(rollout=[10.0], update=[4.0], aux=[])) == "20s"
-    assert script.eta_text(args, dict(aux_phases=0), 500, dict(rollout=[10.0], update=[4.0], aux=[])) == "1h23m"

@@ -15,7 +15,7 @@ def _frames(seed: int, num_levels: int = 0, steps: int = 30):
     rng = np.random.default_rng(0)
     for _ in range(steps):  # dodgeball episodes end within ~10 random steps: new levels get drawn
         frames.append(envs.step(rng.integers(0, envs.num_actions, 2))[0])
-    envs.close()
+    envs.env.close()
     return np.stack(frames)
 
 

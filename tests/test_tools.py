@@ -296,7 +296,7 @@ def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsy
 @pytest.mark.parametrize(
     "tool, default",
     [
-        ("sweep.py", "each run's --seed (default: [1, 2, 3])"),
+        ("sweep.py", "each run's --seed (default: 1 2 3)"),
         ("evaluate.py", "per evaluation set (default: 100)"),
         ("report.py", "rliable's own default is 50,000 (default: 2000)"),
         ("benchmark.py", "a raw-speed pass at the training chunks (default: 2048)"),

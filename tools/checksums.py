@@ -4,10 +4,10 @@
     python tools/checksums.py pA aC           # some of them
 
 Run it before and after a change on the same machine: every line must be identical. Each config is a tiny run
-(2 envs x 32 steps, 3 rollouts, one aux phase) with --save-model, run as a user runs it; the checksum is of the saved
-state dict's tensors in key order. The configs cover each arch, E_V > E_pi, gradient clipping, several minibatches,
-the KL guard firing, 2-trajectory aux minibatches, training levels, the reward normaliser, bf16 (pE), and tf32 (pT: on
-a CPU equal to pA).
+(2 envs x 32 steps, 3 rollouts, one aux phase), run as a user runs it; the checksum is of the agent's state dict in
+its checkpoint.pt (the weights after the last phase), tensors in key order. The configs cover each arch, E_V > E_pi,
+gradient clipping, several minibatches, the KL guard firing, 2-trajectory aux minibatches, training levels, the reward
+normaliser, bf16 (pE), and tf32 (pT: on a CPU equal to pA).
 """
 
 import argparse
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
 from helptext import DefaultsHelpFormatter  # noqa: E402
 
 TINY = "--num-envs 2 --num-steps 32 --n-pi 2 --total-timesteps 192 --num-minibatches 1 --aux-mb-trajectories 4"
-TINY += " --e-aux 2 --micro-batch-size 8 --save-model --exp-name checksum"
+TINY += " --e-aux 2 --micro-batch-size 8 --exp-name checksum"
 PROCGEN, ATARI = "ppg_procgen.py --env-id dodgeball", "ppg_atari.py --max-episode-frames 100"
 CONFIGS = {
     "pA": f"{PROCGEN} --num-levels 10",
@@ -51,8 +51,8 @@ def checksum(name: str) -> str:
         done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
         if done.returncode:
             return f"failed: {done.stderr.strip().splitlines()[-1:]}"
-        (model,) = pathlib.Path(cwd).glob("runs/*/checksum.pt")
-        agent = torch.load(model, weights_only=True)["agent"]
+        (checkpoint,) = pathlib.Path(cwd).glob("runs/*/checkpoint.pt")
+        agent = torch.load(checkpoint, weights_only=True)["agent"]
     digest = hashlib.sha256()
     for key in sorted(agent):
         digest.update(key.encode())

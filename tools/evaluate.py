@@ -2,8 +2,9 @@
 
     python tools/evaluate.py runs/{run_name}/checkpoint.pt --episodes 100 [--capture-video] [--seed 0] [--cpu]
 
-Takes a checkpoint or a --save-model file of ppg_procgen.py or ppg_atari.py and rebuilds that script's network and
-envs from the run's saved flags (a flag added since the file was written takes its default, and one line says so).
+Takes a checkpoint (or an older version's --save-model file) of ppg_procgen.py or ppg_atari.py and rebuilds that
+script's network and envs from the run's saved flags (a flag added since the file was written takes its default, and
+one line says so).
 Actions are sampled from the policy, as in training (not its most likely action). Each of
 min(episodes, 64) envs plays a fixed share of the episodes, its first ones: taking whichever
 episodes end first would favour short ones. Returns are raw game scores; on Atari, whole games.
@@ -64,6 +65,7 @@ def run_args(module, state: dict, path: str):
     """The run's flags as this version of the script has them: a flag added since takes its default (said in one
     line); a flag this version lacks stops with one line."""
     fields = [f.name for f in dataclasses.fields(module.Args)]
+    state["args"].pop("save_model", None)  # a flag of older versions: checkpoint.pt holds the weights
     if unknown := sorted(set(state["args"]) - set(fields)):
         sys.exit(f"error: {path}: written by a version of {module.SCRIPT} with flags this one lacks: {unknown}")
     for name in (name for name in fields if name not in state["args"]):
@@ -107,13 +109,13 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
                     write_video(os.path.join(video_dir, f"episode-{len(returns[0]) - 1}.mp4"), frames)
             if i == 0:
                 frames = []
-    envs.close()
+    envs.env.close()
     return [r for env_returns in returns for r in env_returns]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or a --save-model file")
+    parser.add_argument("checkpoint", help="runs/{run_name}/checkpoint.pt (or its folder) or an old --save-model file")
     parser.add_argument("--episodes", type=int, default=100, help="episodes (Atari: whole games) per evaluation set")
     parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")
     parser.add_argument("--capture-video", action="store_true", help="save videos of env 0 beside the report")

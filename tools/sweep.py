@@ -57,7 +57,7 @@ from helptext import DefaultsHelpFormatter  # noqa: E402
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
 # What flags after -- may change in an experiment's runs: what the script lets a resume change too (resume_args), as
 # none changes what a run learns: where it trains, the chunks of its minibatches (the same update) and what it saves
-MACHINE_FIELDS = ("cuda", "micro_batch_size", "save_model", "track", "wandb_project_name", "wandb_entity")
+MACHINE_FIELDS = ("cuda", "micro_batch_size", "track", "wandb_project_name", "wandb_entity")
 # The grid's own: the first three name a run's folder, and each start of a job resumes the run in it by itself
 GRID_FIELDS = ("env_id", "seed", "exp_name", "resume")
 GRID_FIX = "(use --games, --seeds or --methods; a run resumes from its folder by itself)"
