@@ -46,11 +46,19 @@ N_TRAJ, N_STEPS = 2, 4  # a network-level rollout: 8 states, 2 trajectories of 4
 TOL_FORWARD = 1e-6  # log pi, V, V_aux; pi_old
 TOL_LOSS = 1e-6  # every loss and logged statistic (see worst_loss), the losses' gradients with respect to the outputs
 # Parameter gradients: the outputs' ~1e-7 rounding differences, summed over states and conv positions with
-# cancellation, measure up to ~5e-6 of a tensor's largest element in the first layers of the policy trunk, 15 convs
+# cancellation, measure up to ~6e-6 of a tensor's largest element in the first layers of the policy trunk, 15 convs
 # from the loss (a real difference is of the order of the gradient itself)
 TOL_GRAD = 1e-5
 TOL_INIT = 1e-6  # per-unit weight norms of the normed initialisation
 TOL_TARGETS = 1e-6  # GAE's recursion; our float64 normaliser and moments against the released float32 ones
+
+# The policy-phase losses: L_clip (the default), the paper's L_KL (no clipping: the plain surrogate plus
+# kl_penalty * 0.5 mean(log ratio^2), as the released compute_losses), and both at once
+POLICY_LOSSES = {
+    "clip": dict(clip_coef=0.2, kl_penalty=0.0),
+    "kl": dict(clip_coef=0.0, kl_penalty=1.0),
+    "clip_kl": dict(clip_coef=0.2, kl_penalty=1.0),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -144,7 +152,7 @@ def released_policy_losses(rel, model, d, args):
         clip_param=args.clip_coef,
         vfcoef=released_defaults(rel)["vfcoef"],  # 0.5 * MSE: ours has it built in
         entcoef=args.ent_coef,
-        kl_penalty=0.0,  # the released default (train_fn's kl_penalty): clipping, no KL penalty
+        kl_penalty=args.kl_penalty,
     )
 
 
@@ -305,12 +313,28 @@ def head_outputs(script, n: int, t: int, seed: int):
     return outputs, leaves, out
 
 
-def test_policy_loss(rel, script):
-    """Released ppo.compute_losses (clipped surrogate, entropy bonus, value loss) against our policy_phase_loss (epoch
-    0, E_pi = E_V = 1) on the same outputs: every loss and statistic and the gradients with respect to logits and V.
-    Declared deviation: approx_kl (k3 against 0.5 * mean(log(r)^2)), each checked against its own formula."""
+def check_penalty_and_clipping(args, diags) -> None:
+    """The batch exercises what the loss has, as the released compute_losses measures it (diags): a KL penalty of
+    size, and (clipping on) some ratios clipped and some not; without clipping every ratio counts as clipped (the
+    released clipfrac: |ratio - 1| > 0). Our values are compared with these afterwards."""
+    if args.kl_penalty > 0:
+        assert diags["pi_kl"] > 1e-3, "the log ratios should be far enough from 0 to be penalised"
+    else:
+        assert diags["pi_kl"] == 0
+    if args.clip_coef > 0:
+        assert 0 < diags["clipfrac"] < 1, "the batch should clip some ratios and not others"
+    else:
+        assert diags["clipfrac"] == 1
+
+
+@pytest.mark.parametrize("objective", POLICY_LOSSES)
+def test_policy_loss(rel, script, objective):
+    """Released ppo.compute_losses (the surrogate, clipped or not, its KL penalty, entropy bonus, value loss) against
+    our policy_phase_loss (epoch 0, E_pi = E_V = 1) on the same outputs, for L_clip, L_KL and both: every loss and
+    statistic and the gradients with respect to logits and V. Declared deviation: approx_kl (k3 against
+    0.5 * mean(log(r)^2)), each checked against its own formula."""
     n, t = 4, 8
-    args, d = make_args(script, n, t), make_data(script, n, t)
+    args, d = make_args(script, n, t, **POLICY_LOSSES[objective]), make_data(script, n, t)
     outputs, leaves, out = head_outputs(script, n, t, seed=5)
     # rollout log-probabilities near these outputs' (by make_data's noise), so some ratios are clipped and some not
     d.logprobs = F.log_softmax(outputs[0], -1).gather(-1, d.actions[..., None]).squeeze(-1) + d.noise
@@ -320,22 +344,23 @@ def test_policy_loss(rel, script):
     heads = ReleasedHeads(rel, *outputs)
     losses, diags = released_policy_losses(rel, heads, d, args)
     (losses["pi"] + losses["vf"]).backward()
-    assert 0 < stats["clipfrac"] < 1, "the batch should clip some ratios and not others"
+    check_penalty_and_clipping(args, diags)
     pairs = dict(
         loss=(loss, losses["pi"] + losses["vf"]),
         policy_loss=(stats["policy_loss"], diags["pg"]),
+        kl_penalty=(stats["kl_penalty"], diags["pi_kl"]),
         entropy=(stats["entropy"], diags["entropy"]),
         value_loss=(stats["value_loss"], losses["vf"]),
         clipfrac=(stats["clipfrac"], diags["clipfrac"]),
     )
-    check(f"{script.__name__} policy-phase losses", worst_loss(pairs), TOL_LOSS)
+    check(f"{script.__name__} {objective} policy-phase losses", worst_loss(pairs), TOL_LOSS)
     # approx_kl, the declared deviation: each side's estimator of the same log-ratios
     logratio = F.log_softmax(outputs[0], -1).gather(-1, d.actions[..., None]).squeeze(-1) - d.logprobs
     assert rs.relative_error(stats["approx_kl"], (logratio.exp() - 1 - logratio).mean()) <= TOL_LOSS
     assert rs.relative_error(diags["approxkl"], 0.5 * logratio.square().mean()) <= TOL_LOSS
     assert leaves[2].grad is None and heads.leaves[2].grad is None  # V_aux: no policy-phase gradient
     pairs = dict(logits=(leaves[0].grad, heads.leaves[0].grad), value=(leaves[1].grad, heads.leaves[1].grad))
-    check(f"{script.__name__} policy-phase loss gradients (logits, V)", worst_of(pairs), TOL_LOSS)
+    check(f"{script.__name__} {objective} policy-phase loss gradients (logits, V)", worst_of(pairs), TOL_LOSS)
 
 
 def test_aux_loss(rel, script):
@@ -409,15 +434,16 @@ def compare_adam_step(label, agent, model, names, before: dict, ours: dict, thei
     print(f"  gradient of 0 by {worst[True]:.3g}; {noisy} elements by more than rounding, each within its allowance")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_policy_phase_update(rel, script, arch):
+# Every arch with L_clip; L_KL and L_clip with the penalty on the dual arch (the loss is the same for every arch)
+@pytest.mark.parametrize("arch, objective", [(a, "clip") for a in ARCHS] + [("dual", "kl"), ("dual", "clip_kl")])
+def test_policy_phase_update(rel, script, arch, objective):
     """One Adam step of our policy_phase_update (one minibatch: num_minibatches 1, micro_batch_size 0) against the
     released loop body on the same minibatch: zero_grad, backward of the summed pi and vf losses, step (with
-    E_pi = E_V the released code's one optimizer). The gradients as each step found them, the parameters after it,
-    and the logged means. Declared deviations: PPO minibatches of shuffled states (here both the whole rollout);
-    approx_kl (test_policy_loss)."""
+    E_pi = E_V the released code's one optimizer), for L_clip, L_KL and both. The gradients as each step found them,
+    the parameters after it, and the logged means. Declared deviations: PPO minibatches of shuffled states (here both
+    the whole rollout); approx_kl (test_policy_loss)."""
     agent, model, names = make_pair(script, rel, arch)
-    d, args = make_data(script), make_args(script)
+    d, args = make_data(script), make_args(script, **POLICY_LOSSES[objective])
     before = {n: p.detach().clone() for n, p in agent.named_parameters()}
     ours = rs.RecordingAdam(agent.parameters(), lr=args.learning_rate, eps=1e-8)  # as main() builds it
     stats = script.policy_phase_update(agent, ours, flat_batch(d), args)
@@ -427,10 +453,11 @@ def test_policy_phase_update(rel, script, arch):
     (losses["pi"] + losses["vf"]).backward()
     theirs.step()
     assert len(ours.grads) == len(theirs.grads) == 1
-    label = f"{script.__name__} {arch} policy-phase step"
-    assert 0 < stats["clipfrac"] < 1, "the batch should clip some ratios and not others"
+    label = f"{script.__name__} {arch} {objective} policy-phase step"
+    check_penalty_and_clipping(args, diags)
     pairs = dict(
         policy_loss=(stats["policy_loss"], diags["pg"]),
+        kl_penalty=(stats["kl_penalty"], diags["pi_kl"]),
         entropy=(stats["entropy"], diags["entropy"]),
         value_loss=(stats["value_loss"], losses["vf"]),
         clipfrac=(stats["clipfrac"], diags["clipfrac"]),
