@@ -50,11 +50,12 @@ def test_resume_of_a_run_without_a_checkpoint_says_to_start_again(name, tmp_path
 CLEANRL_ONLY = {
     "--capture-video": "tools/evaluate.py --capture-video",
     "--v-value": "--e-v",
-    "--vf-coef": "own loss",
+    "--vf-coef": "unweighted",
     "--target-kl": "--aux-kl-stop",
     "--clip-vloss": "unclipped",
     "--n-aux-grad-accum": "--micro-batch-size",
-    "--adv-norm-fullbatch": "whole rollout",
+    "--adv-norm-fullbatch": "per rollout",
+    "--save-model": "checkpoint.pt",
 }
 
 

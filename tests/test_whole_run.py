@@ -12,7 +12,7 @@ rollouts of 3 envs x 32 steps (E_aux 2), and must be the same run:
     released run's uniforms in the same order. Each torch.randperm (every minibatch order of both codes) comes from one
     stream; our run gets the released permutation mapped onto its own rows (Coupler.our_randperm says how);
   - the released hyperparameters set to ours explicitly (its nstep defaults to 256, its gamma to 0.99, and its
-    nminibatch is silently cut to the env count), --aux-kl-stop 0 (the released code has no KL guard) and
+    nminibatch is silently cut to the env count), the script's own KL guard default (off: the released code has none) and
     --micro-batch-size 0; the released logger writes nothing (RCALL_LOGDIR is an empty temporary folder, no save_mode).
 
 What "the same run" means in float32. The two codes' forward passes agree to float32 rounding
@@ -88,7 +88,6 @@ BASE = dict(
     e_aux=2,
     aux_mb_trajectories=3,
     num_minibatches=1,
-    aux_kl_stop=0,
     micro_batch_size=0,
 )
 ROOMY = dict(num_envs=4, aux_mb_trajectories=4)  # the slow configurations': more episodes and rewards, no time limit
@@ -99,8 +98,11 @@ CONFIGS = {
     "shared": dict(arch="shared", **ROOMY),
     "e_pi1_e_v2": dict(e_pi=1, e_v=2, **ROOMY),  # both codes: E_V value epochs first, with an Adam of their own
     "minibatches2": dict(num_minibatches=2, **ROOMY),  # the released code: 2 whole envs a minibatch
+    # L_KL (the released clip_param 0, kl_penalty 1); 3 minibatches, so that all but the first of a rollout have
+    # ratios away from 1, where the penalty and the unclipped surrogate differ from L_clip
+    "ppgkl": dict(clip_coef=0.0, kl_penalty=1.0, num_minibatches=3),
 }
-CI = ("dual", "ppo")
+CI = ("dual", "ppo", "ppgkl")
 # Tolerances, measured on correct code (see the docstring), by whether the run has aux phases ("aux") or not ("ppo")
 DELTA = dict(aux=3e-2, ppo=5e-4)  # the farthest a near tie's uniform may lie from our interval of the released action
 TOL_MAX = dict(aux=2e-2, ppo=5e-3)  # the largest |ours - released| of any final parameter
@@ -253,7 +255,7 @@ def run_released(rel, args, model, logdir) -> list:
         clip_param=args.clip_coef,
         entcoef=args.ent_coef,
         vfcoef=0.5,  # our value loss is 0.5 MSE
-        kl_penalty=0.0,
+        kl_penalty=args.kl_penalty,
         rnorm=args.norm_reward,
         log_save_opts={},  # save_mode "none": no model file
     )
