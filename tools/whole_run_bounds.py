@@ -1,0 +1,189 @@
+"""The figures behind tests/test_whole_run.py's bounds: coupled whole runs of ppg_procgen.py against the authors'
+released code (as the test runs them, with every bound lifted), each in a process of its own, since float rounding
+differs between processes.
+
+    python tools/whole_run_bounds.py                                   # the CI configurations, seeds 1 to 10
+    python tools/whole_run_bounds.py --configs dual --seeds 1 --repeats 10         # one seed in 10 processes
+    python tools/whole_run_bounds.py --configs detach shared e_pi1_e_v2 minibatches2   # the slow ones
+    PPG_SCRIPT=/tmp/scratch/ppg_procgen.py python tools/whole_run_bounds.py        # a scratch copy with a mistake
+    python tools/whole_run_bounds.py --summarise runs.jsonl            # the worsts of runs kept with --jsonl runs.jsonl
+
+One line a run: its near ties (draws where the two codes' actions differ) and the farthest one's distance, the largest
+difference of the two CDFs at a draw of phase 1 (before any aux phase) and later, each network's largest final
+parameter difference and root mean square, the CPU seconds, and which of the test's BOUNDS it breaks. Then, per
+configuration, the worst of each figure and the bounds --margin times those worsts would give (rounded up to 2
+significant digits; at least 2 near ties, as a configuration that met none can still meet one; with no near tie
+measured, the farthest a tie may lie is the later CDF bound, which a near tie's distance cannot exceed). --jsonl keeps
+every run's figures; --summarise prints the worsts and bounds of the runs such files kept, of the real script and of
+each scratch copy apart. Needs what the test needs: the released code at $PPG_RELEASED_CODE or
+../shared/reference/phasic-policy-gradient. One thread a run, one run at a time."""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from helptext import DefaultsHelpFormatter  # noqa: E402
+
+FIGURES = ("ties", "farthest", "cdf_first", "cdf", "policy_max", "policy_rms", "value_max", "value_rms")
+
+
+def test_module():
+    """tests/test_whole_run.py, imported as pytest imports it (its folder on the path: conftest, released_shims)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_whole_run
+
+    return test_whole_run
+
+
+def one_run(config: str, seed: int) -> dict:
+    """The test's coupled runs of a configuration at a seed, every bound lifted: the figures the bounds limit."""
+    import pytest
+    import torch
+
+    w = test_module()
+    if w.RELEASED_ROOT is None:
+        sys.exit(f"error: {w.WHY_NOT}")
+    torch.set_num_threads(w.THREADS)
+    rel = w.rs.load_released(w.RELEASED_ROOT)
+    start = time.process_time()
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
+        r = w.whole_runs(rel, config, seed, pathlib.Path(tmp), patch, w.UNBOUNDED)
+    c = r["coupler"]
+    figures = dict(
+        config=config,
+        seed=seed,
+        ties=len(c.near_ties),
+        farthest=max([distance for _, distance in c.near_ties], default=0.0),
+        cdf_first=c.divergence["first"],
+        cdf=c.divergence["later"],
+        episodes_agree=r["ours_episodes"] == r["released_episodes"],
+        episodes=len(r["ours_episodes"]),
+        nonzero=r["nonzero"],
+        cpu_s=round(time.process_time() - start, 1),
+    )
+    for network, (worst, _, rms) in r["networks"].items():
+        figures.update({f"{network}_max": worst, f"{network}_rms": rms})
+    return figures
+
+
+def broken(figures: dict, bounds) -> list:
+    """The test's checks a run's figures fail: its bounds, the episodes, and the run's floor of episodes and rewards."""
+    limits = dict(ties=bounds.near_ties, farthest=bounds.delta, cdf_first=bounds.cdf_first, cdf=bounds.cdf)
+    for network, (most, most_rms) in bounds.params.items():
+        limits.update({f"{network}_max": most, f"{network}_rms": most_rms})
+    failed = [name for name, limit in limits.items() if figures[name] > limit]
+    if not figures["episodes_agree"]:
+        failed.append("episodes")
+    if figures["episodes"] < 3 or figures["nonzero"] < 5:
+        failed.append("too few episodes or rewards")
+    return failed
+
+
+def rounded_up(x: float) -> float:
+    """x rounded up to 2 significant digits."""
+    if x <= 0:
+        return 0.0
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return float(f"{math.ceil(x / step - 1e-9) * step:.2g}")
+
+
+def bounds_from(worst: dict, margin: float) -> dict:
+    bounds = dict(ties=max(math.ceil(margin * worst["ties"]), 2))
+    bounds.update({k: rounded_up(margin * worst[k]) for k in FIGURES if k != "ties"})
+    if worst["ties"] == 0:
+        bounds["farthest"] = bounds["cdf"]
+    return bounds
+
+
+def summarise(runs: dict, margin: float) -> None:
+    """runs: {label: [figures]}; per label, the worst of each figure and the bounds margin x those would give."""
+    print(f"worst of each figure, and bounds {margin:g} x the worst (farthest: a near tie's distance)")
+    for label, found in runs.items():
+        worst = {k: max(f[k] for f in found) for k in FIGURES}
+        suggested = bounds_from(worst, margin)
+        print(f"{label} ({len(found)} runs, at most {max(f['cpu_s'] for f in found):.0f} s CPU a run):")
+        print("  worst:  " + " ".join(f"{k} {worst[k]:.2g}" for k in FIGURES))
+        print("  bounds: " + " ".join(f"{k} {suggested[k]:g}" for k in FIGURES))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--configs", nargs="+", help="configurations of tests/test_whole_run.py (default: its CI ones)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(range(1, 11)), help="seeds of each configuration")
+    parser.add_argument("--repeats", type=int, default=1, help="processes a seed (rounding differs between them)")
+    parser.add_argument("--margin", type=float, default=3.0, help="bounds suggested: this times the worst measured")
+    parser.add_argument("--jsonl", help="append every run's figures to this file, one JSON line a run")
+    parser.add_argument("--summarise", nargs="+", metavar="JSONL", help="run nothing: summarise these --jsonl files")
+    parser.add_argument("--one", nargs=2, metavar=("CONFIG", "SEED"), help=argparse.SUPPRESS)  # a child process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(args.one[0], int(args.one[1]))))
+        return
+    w = test_module()
+    configs = args.configs or list(w.CONFIGS if args.summarise else w.CI)  # what the files hold, or CI's
+    if unknown := [c for c in configs if c not in w.CONFIGS]:
+        sys.exit(f"error: --configs {' '.join(unknown)}: not in tests/test_whole_run.py ({', '.join(w.CONFIGS)})")
+    if args.repeats < 1 or args.margin <= 0:
+        sys.exit("error: --repeats must be at least 1 and --margin above 0")
+    if args.summarise:
+        if missing := [f for f in args.summarise if not os.path.isfile(f)]:
+            sys.exit(f"error: --summarise {' '.join(missing)}: no such file")
+        kept = {}
+        for path in args.summarise:
+            for number, line in enumerate(open(path), 1):
+                try:
+                    figures = json.loads(line)
+                    script = figures["script"]
+                    [float(figures[k]) for k in (*FIGURES, "cpu_s")]  # a line of another kind stops here
+                except (ValueError, KeyError, TypeError):
+                    sys.exit(
+                        f"error: --summarise {path}: line {number} is not a run's figures (as --jsonl writes them)"
+                    )
+                if figures["config"] in configs:  # the real script's runs apart from each scratch copy's
+                    label = figures["config"] + ("" if script == "ppg_procgen.py" else f" ({script})")
+                    kept.setdefault(label, []).append(figures)
+        if not kept:
+            sys.exit(f"error: --summarise: no run of {', '.join(configs)} in {' '.join(args.summarise)}")
+        summarise(kept, args.margin)
+        return
+    if w.RELEASED_ROOT is None:
+        sys.exit(f"error: {w.WHY_NOT}")
+    script = os.environ.get("PPG_SCRIPT", "ppg_procgen.py")
+    print(f"{script}: {', '.join(configs)} at seeds {args.seeds}, {args.repeats} process(es) each")
+    runs = {c: [] for c in configs}
+    for config in configs:
+        for seed in args.seeds:
+            for _ in range(args.repeats):
+                command = [sys.executable, __file__, "--one", config, str(seed)]
+                child = subprocess.run(command, capture_output=True, text=True)
+                if child.returncode != 0:
+                    last = (child.stderr.strip().splitlines() or ["no message"])[-1]
+                    sys.exit(f"error: {config} seed {seed} stopped: {last}")
+                figures = json.loads(child.stdout.strip().splitlines()[-1])
+                runs[config].append(figures)
+                if args.jsonl:
+                    with open(args.jsonl, "a") as f:
+                        f.write(json.dumps(dict(figures, script=script)) + "\n")
+                failed = broken(figures, w.BOUNDS[config])
+                print(
+                    f"{config} seed {seed}: {figures['ties']} near ties (farthest {figures['farthest']:.2g}), CDFs "
+                    f"{figures['cdf_first']:.2g} / {figures['cdf']:.2g} apart (phase 1 / later); parameters policy "
+                    f"{figures['policy_max']:.2g} / {figures['policy_rms']:.2g}, value {figures['value_max']:.2g} / "
+                    f"{figures['value_rms']:.2g} (max / rms); {figures['episodes']} episodes, {figures['nonzero']} "
+                    f"rewards; {figures['cpu_s']:.0f} s CPU; " + (f"FAILS {', '.join(failed)}" if failed else "passes"),
+                    flush=True,
+                )
+    print()
+    summarise(runs, args.margin)
+
+
+if __name__ == "__main__":
+    main()
