@@ -68,6 +68,7 @@ def one_run(config: str, seed: int) -> dict:
         episodes=len(r["ours_episodes"]),
         nonzero=r["nonzero"],
         cpu_s=round(time.process_time() - start, 1),
+        cpu=torch.backends.cpu.get_cpu_capability(),  # the kernels' instruction set: rounding differs between them
     )
     for network, (worst, _, rms) in r["networks"].items():
         figures.update({f"{network}_max": worst, f"{network}_rms": rms})
@@ -76,10 +77,7 @@ def one_run(config: str, seed: int) -> dict:
 
 def broken(figures: dict, bounds) -> list:
     """The test's checks a run's figures fail: its bounds, the episodes, and the run's floor of episodes and rewards."""
-    limits = dict(ties=bounds.near_ties, farthest=bounds.delta, cdf_first=bounds.cdf_first, cdf=bounds.cdf)
-    for network, (most, most_rms) in bounds.params.items():
-        limits.update({f"{network}_max": most, f"{network}_rms": most_rms})
-    failed = [name for name, limit in limits.items() if figures[name] > limit]
+    failed = [name for name, limit in test_module().limits(bounds).items() if figures[name] > limit]
     if not figures["episodes_agree"]:
         failed.append("episodes")
     if figures["episodes"] < 3 or figures["nonzero"] < 5:
@@ -103,13 +101,40 @@ def bounds_from(worst: dict, margin: float) -> dict:
     return bounds
 
 
+def worst_of(runs: list) -> dict:
+    """The largest of each figure over runs."""
+    return {k: max(f[k] for f in runs) for k in FIGURES}
+
+
+def read_runs(paths: list, configs: list) -> dict:
+    """{label: [figures]} of the runs --jsonl files kept, of these configurations: the label is the configuration,
+    with the script's path after it for a scratch copy's runs."""
+    kept = {}
+    for path in paths:
+        for number, line in enumerate(open(path), 1):
+            try:
+                figures = json.loads(line)
+                script = figures["script"]
+                [float(figures[k]) for k in (*FIGURES, "cpu_s")]  # a line of another kind stops here
+            except (ValueError, KeyError, TypeError):
+                sys.exit(f"error: --summarise {path}: line {number} is not a run's figures (as --jsonl writes them)")
+            if figures["config"] in configs:  # the real script's runs apart from each scratch copy's
+                label = figures["config"] + ("" if script == "ppg_procgen.py" else f" ({script})")
+                kept.setdefault(label, []).append(figures)
+    return kept
+
+
 def summarise(runs: dict, margin: float) -> None:
     """runs: {label: [figures]}; per label, the worst of each figure and the bounds margin x those would give."""
     print(f"worst of each figure, and bounds {margin:g} x the worst (farthest: a near tie's distance)")
     for label, found in runs.items():
-        worst = {k: max(f[k] for f in found) for k in FIGURES}
+        worst = worst_of(found)
         suggested = bounds_from(worst, margin)
-        print(f"{label} ({len(found)} runs, at most {max(f['cpu_s'] for f in found):.0f} s CPU a run):")
+        kernels = {}
+        for f in found:
+            kernels[f.get("cpu", "?")] = kernels.get(f.get("cpu", "?"), 0) + 1
+        on = ", ".join(f"{cpu} {n}" for cpu, n in kernels.items())
+        print(f"{label} ({len(found)} runs: {on}; at most {max(f['cpu_s'] for f in found):.0f} s CPU a run):")
         print("  worst:  " + " ".join(f"{k} {worst[k]:.2g}" for k in FIGURES))
         print("  bounds: " + " ".join(f"{k} {suggested[k]:g}" for k in FIGURES))
 
@@ -136,20 +161,7 @@ def main() -> None:
     if args.summarise:
         if missing := [f for f in args.summarise if not os.path.isfile(f)]:
             sys.exit(f"error: --summarise {' '.join(missing)}: no such file")
-        kept = {}
-        for path in args.summarise:
-            for number, line in enumerate(open(path), 1):
-                try:
-                    figures = json.loads(line)
-                    script = figures["script"]
-                    [float(figures[k]) for k in (*FIGURES, "cpu_s")]  # a line of another kind stops here
-                except (ValueError, KeyError, TypeError):
-                    sys.exit(
-                        f"error: --summarise {path}: line {number} is not a run's figures (as --jsonl writes them)"
-                    )
-                if figures["config"] in configs:  # the real script's runs apart from each scratch copy's
-                    label = figures["config"] + ("" if script == "ppg_procgen.py" else f" ({script})")
-                    kept.setdefault(label, []).append(figures)
+        kept = read_runs(args.summarise, configs)
         if not kept:
             sys.exit(f"error: --summarise: no run of {', '.join(configs)} in {' '.join(args.summarise)}")
         summarise(kept, args.margin)
