@@ -361,6 +361,9 @@ def job_process(root: pathlib.Path) -> int:
     raise AssertionError(f"no submitit job process under {root}")
 
 
+# slow: three starts of a sweep and its training process, about 45 s on 2 idle cores, which would take the suite past
+# 6 minutes; the suite keeps each stop's pieces: a sweep's resume, its flags, a run's SIGTERM, Ctrl-C and kill -9
+@pytest.mark.slow
 def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     """One run through every way a sweep stops, each after the run's next phase checkpoint: the job is signalled as
     submitit's controller signals it --signal-delay-s before --time-min (SIGUSR2: the job is requeued and resumes in the
