@@ -7,15 +7,17 @@ differs between processes.
     python tools/whole_run_bounds.py --configs detach shared e_pi1_e_v2 minibatches2   # the slow ones
     PPG_SCRIPT=/tmp/scratch/ppg_procgen.py python tools/whole_run_bounds.py        # a scratch copy with a mistake
     python tools/whole_run_bounds.py --summarise runs.jsonl            # the worsts of runs kept with --jsonl runs.jsonl
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python tools/whole_run_bounds.py
+                                                  # AVX2 kernels: an AVX2-only machine's rounding, on this one
 
 One line a run: its near ties (draws where the two codes' actions differ) and the farthest one's distance, the largest
-difference of the two CDFs at a draw of phase 1 (before any aux phase) and later, each network's largest final
-parameter difference and root mean square, the CPU seconds, and which of the test's BOUNDS it breaks. Then, per
-configuration, the worst of each figure and the bounds --margin times those worsts would give (rounded up to 2
-significant digits; at least 2 near ties, as a configuration that met none can still meet one; with no near tie
-measured, the farthest a tie may lie is the later CDF bound, which a near tie's distance cannot exceed). --jsonl keeps
-every run's figures; --summarise prints the worsts and bounds of the runs such files kept, of the real script and of
-each scratch copy apart. Needs what the test needs: the released code at $PPG_RELEASED_CODE or
+difference of the two CDFs at a draw of phase 1 (before any aux phase) and later, each network's largest final parameter
+difference and root mean square, the CPU seconds and the kernels' instruction set (`cpu`), and which of the test's
+BOUNDS it breaks. Then, per configuration, the worst of each figure and the bounds --margin times those worsts would
+give (rounded up to 2 significant digits; at least 2 near ties, as a configuration that met none can still meet one;
+with no near tie measured, the farthest a tie may lie is the later CDF bound, which a near tie's distance cannot
+exceed). --jsonl keeps every run's figures; --summarise prints the worsts and bounds of the runs such files kept, of the
+real script and of each scratch copy apart. Needs what the test needs: the released code at $PPG_RELEASED_CODE or
 ../shared/reference/phasic-policy-gradient. One thread a run, one run at a time."""
 
 import argparse
