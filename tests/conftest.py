@@ -67,9 +67,11 @@ _modules = {}
 
 
 def load_script(name: str):
-    """Import a training script by file name (once per test session)."""
+    """Import a training script by file name (once per test session). A path outside the checkout (a scratch copy
+    with a mistake: $PPG_SCRIPT of test_whole_run.py) is imported under a name of its own."""
     if name not in _modules:
-        spec = importlib.util.spec_from_file_location(pathlib.Path(name).stem, ROOT / name)
+        path = ROOT / name  # an absolute path stays itself
+        spec = importlib.util.spec_from_file_location(path.stem if path.parent == ROOT else f"{path.stem}_copy", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # so that inspect (tyro's help text) finds its source
         spec.loader.exec_module(module)
@@ -263,7 +265,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     where = os.path.relpath(path, ROOT) if beside else str(path)
     commit = rs.released_commit(path) if path else None
     if commit and commit != rs.COMMIT:
-        where += f" at commit {commit[:7]}, not {rs.COMMIT[:7]} where the tolerances were measured"
+        where += f" at commit {commit[:7]}, not {rs.COMMIT[:7]} where the comparisons were measured"
     parts = [f"{count['passed']} of {count['passed'] + count['failed']} comparisons passed"]
     parts += [f"{count[k]} {k}" for k in ["failed", "skipped"] if count[k]]
     line = f"released code: {', '.join(parts)} (test_released_code.py, test_whole_run.py; against {where})"

@@ -196,14 +196,7 @@ def rel():
 def training_script():
     """ppg_procgen.py, or the copy of it that $PPG_SCRIPT names: a scratch edit, to see these tests fail on a mistake
     (PPG_SCRIPT=/tmp/scratch/ppg_procgen.py python -m pytest -q tests/test_whole_run.py)."""
-    path = os.environ.get("PPG_SCRIPT")
-    if not path:
-        return load_script("ppg_procgen.py")
-    spec = importlib.util.spec_from_file_location("ppg_procgen_copy", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # tyro reads its Args' source through inspect
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.environ.get("PPG_SCRIPT", "ppg_procgen.py"))
 
 
 def flags(config: str, seed: int = SEED) -> list:

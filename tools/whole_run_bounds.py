@@ -39,7 +39,8 @@ FIGURES = ("ties", "farthest", "cdf_first", "cdf", "policy_max", "policy_rms", "
 
 def test_module():
     """tests/test_whole_run.py, imported as pytest imports it (its folder on the path: conftest, released_shims)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
     import test_whole_run
 
     return test_whole_run
