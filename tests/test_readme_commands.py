@@ -6,9 +6,7 @@ as in a new user's shell.
 The commands are read from the README itself, so an edit of the README is tested: every line of its ```bash blocks
 (a line ending in a backslash joined to the next), and the first-run block, marked `<!-- readme-commands: ... -->`,
 as one shell script. A command runs unless a rule of LEFT_OUT names it, with the reason; adjusted() changes two kinds
-of command, each with its reason, so that they finish in seconds and still check what the reader typed. Until
-tools/report.py looks for the released code beside the checkout, `report.py --released-only` fails here, as it does
-for a new user."""
+of command, each with its reason, so that they finish in seconds and still check what the reader typed."""
 
 import os
 import pathlib
