@@ -154,3 +154,26 @@ def test_the_readme_commands_work_as_written(checkout):
     assert not failed, f"{len(failed)} of the README's commands failed:\n" + "\n".join(failed)
     if len(commands) < len(RUN):
         pytest.skip(f"report.py --released-only not run: {rs.released_root()[1]}")
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub writes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readme_links_lead_to_a_file_and_heading():
+    """Each relative link of the README and of docs/results.md, which the README sends its reader to, names a file of
+    the checkout and, after a #, one of its headings: a section moved to docs/ breaks no link."""
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "docs" / "results.md"]:
+        for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            headings = (
+                re.findall(r"^#+ (.*)$", file.read_text(), re.M) if file.is_file() and file.suffix == ".md" else []
+            )
+            if not file.exists() or (anchor and anchor not in map(slug, headings)):
+                broken.append(f"{page.name}: {target}")
+    assert not broken, broken
