@@ -241,7 +241,9 @@ def test_a_run_is_the_released_run_of_its_variant_only_with_every_released_flag(
         "--beta-clone": "0.5",
         "--kl-penalty": "1",
         "--aux-kl-stop": "0.02",
+        "--precision": "bf16",
     }
+    assert {flag[2:].removeprefix("no-").replace("-", "_") for flag in changed} == set(report.RELEASED_RUN)
     for flag, value in changed.items():
         args = script_args(*experiments.PAPER_PROTOCOL.split(), flag, *([value] if value else []))
         (difference,) = report.differences_from_released(dict(method="ppg", flags=args))
@@ -255,6 +257,57 @@ def test_a_run_is_the_released_run_of_its_variant_only_with_every_released_flag(
         "--kl-penalty not in its checkpoint (released: 0.0)"
     ]
     assert report.differences_from_released(dict(method="eaux2", flags=eaux2)) == ["no released variant is named eaux2"]
+
+
+def test_every_flag_of_both_scripts_is_compared_with_the_released_run_or_named_as_the_same_run(
+    tmp_path, monkeypatch, capsys
+):
+    """Each Args field of both scripts is compared with its released value or named in SAME_RUN with its reason:
+    changed alone, a compared field is the one difference named, a SAME_RUN field none; a field in neither (a flag
+    added later, an Atari flag) is named too, so no flag slips through. A bf16 run at the paper's protocol is not the
+    released run: the report prints no released column beside it, and a line naming --precision."""
+    import dataclasses
+
+    from conftest import SCRIPTS, load_script
+
+    report, experiments = load_report(), load_tool("experiments", "experiments_table")
+    released = script_args(*experiments.PAPER_PROTOCOL.split())
+    assert report.differences_from_released(dict(method="ppg", flags=released)) == []
+    assert all(report.SAME_RUN.values()) and not set(report.SAME_RUN) & set(report.RELEASED_RUN)
+
+    def another(value):
+        return not value if isinstance(value, bool) else 1 if value is None else value + type(value)(1)
+
+    for name in SCRIPTS:
+        for field in dataclasses.fields(load_script(name).Args):
+            value = another(released.get(field.name, field.default))  # a Procgen run with this one flag changed
+            found = report.differences_from_released(dict(method="ppg", flags={**released, field.name: value}))
+            if field.name in report.SAME_RUN:
+                assert found == [], (name, field.name, found)
+            else:
+                assert len(found) == 1 and found[0].startswith(f"--{field.name.replace('_', '-')} "), (name, found)
+                assert field.name in report.RELEASED_RUN or field.name not in released, (name, field.name)
+    results, sweep = tmp_path / "results", tmp_path / "sweep"
+    for run in range(3):
+        (results / f"ppg-run{run}").mkdir(parents=True)
+        (results / f"ppg-run{run}" / "progress-bigfish.csv").write_text("EpRewMean\n" + "1.0\n" * 20)
+    write_run(sweep, "bigfish", "ppg", 1, [1.0] * 100, last=12 * 65_536, flags=experiments.PAPER_PROTOCOL)
+    assert "| ppg released |" in report_out(sweep, monkeypatch, capsys, "--released", str(results))
+    write_run(
+        sweep,
+        "bigfish",
+        "ppg",
+        2,
+        [1.0] * 100,
+        last=12 * 65_536,
+        flags=f"{experiments.PAPER_PROTOCOL} --precision bf16",
+    )
+    out = report_out(sweep, monkeypatch, capsys, "--released", str(results))
+    aggregate = next(line for line in out.splitlines() if line.startswith("| ppg | 2 x 1 |"))
+    assert "released" not in out.split("| game |")[1].splitlines()[0] and aggregate.endswith(" | - | - |"), out
+    assert (
+        "(No released column beside ppg: its runs are not the released run: --precision bf16 (released: fp32).)" in out
+    )
 
 
 def released_by_hand(results, folders: list) -> float:

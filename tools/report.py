@@ -10,8 +10,8 @@ The released results (phasic_policy_gradient/results/<folder>/progress-<game>.cs
 100M env steps, one EpRewMean row every 65,536 env steps) are --released, or
 $PPG_RELEASED_CODE/phasic_policy_gradient/results. A method is a variant of tools/experiments.py by its name (ppg,
 ppo, e-aux-2, ...), and its released figures stand beside its runs only where every flag that makes a run the
-released one is the released value (RELEASED_RUN: the batch, the levels, the hyperparameters, the variant's own flags
-and no KL guard).
+released one is the released value (RELEASED_RUN: the batch, the levels, the hyperparameters, the variant's own flags,
+no KL guard, fp32) and every other flag is one of SAME_RUN's.
 
 main() prints the report in this order, a function a step: heading (what each figure is), 1. per_game_table and
 released_column_notes, 2. aggregate (computed) with aggregate_table, ranking, early_rows_notes and comparison (P(X >
@@ -46,7 +46,7 @@ GAMES = sorted(NORMALISATION["hard"])  # the 16 Procgen games, each a released C
 
 # Every flag of ppg_procgen.py that makes a run the released one, at the released train.py's values (its README runs
 # `mpiexec -np 4`: 4 workers x 64 envs, 4 x 4 aux trajectories, in one process 256 and 16); a variant's own flags
-# (tools/experiments.py) replace these. total_timesteps is not among them: a shorter run is compared at its own step.
+# (tools/experiments.py) replace these.
 RELEASED_RUN = dict(distribution_mode="hard", num_levels=0, start_level=0)  # all levels from 0 (envs.py's defaults)
 RELEASED_RUN.update(num_envs=256, aux_mb_trajectories=16, num_steps=256, gamma=0.999, gae_lambda=0.95)
 RELEASED_RUN.update(learning_rate=5e-4, anneal_lr=False)  # lr and aux_lr, constant
@@ -54,7 +54,14 @@ RELEASED_RUN.update(num_minibatches=8, clip_coef=0.2, kl_penalty=0.0, ent_coef=0
 RELEASED_RUN.update(norm_reward=True, reward_norm_gamma=0.99)  # reward_normalizer.py, its return discounted by 0.99
 RELEASED_RUN.update(max_grad_norm=0.0)  # no gradient clipping
 RELEASED_RUN.update(arch="dual", n_pi=32, e_pi=1, e_v=1, e_aux=6, beta_clone=1.0)
-RELEASED_RUN.update(aux_kl_stop=0.0)  # no KL guard in the released code
+RELEASED_RUN.update(aux_kl_stop=0.0, precision="fp32")  # no KL guard in the released code; float32 throughout
+# The flags that do not make a run another run, each with why. Any other flag in a run's checkpoint (a flag added
+# later, an Atari flag) is a difference: tests/test_report.py holds every Args field of both scripts to one of the two.
+SAME_RUN = dict(seed="a seed is one of the runs", env_id="the game: a run a game", exp_name="the run's name")
+SAME_RUN.update(total_timesteps="the budget: a shorter run is compared at its own step", resume="the same run, resumed")
+SAME_RUN.update(track="logging", wandb_project_name="logging", wandb_entity="logging", cuda="the device")
+SAME_RUN.update(torch_deterministic="cuDNN's choice of kernels: the same update in another summation order")
+SAME_RUN.update(micro_batch_size="chunks of a minibatch: the same update in another summation order")
 # variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
 VARIANTS = {
     name: (flags, exp["released"][name]) for exp in EXPERIMENTS.values() for name, flags in exp["variants"].items()
@@ -88,9 +95,9 @@ def differences_from_released(run: dict) -> list:
     """Why a run is not the released run of its method: ['--num-envs 64 (released: 256)', ...]; [] if it is."""
     if run["method"] not in VARIANTS:
         return [f"no released variant is named {run['method']}"]
-    differences = []
-    for name, want in released_flags(run["method"]).items():
-        have = run["flags"].get(name, "not in its checkpoint")
+    released, differences = released_flags(run["method"]), []
+    for name in [*released, *(n for n in run["flags"] if n not in released and n not in SAME_RUN)]:
+        have, want = run["flags"].get(name, "not in its checkpoint"), released.get(name, "no such flag")
         if have != want:
             differences.append(f"--{name.replace('_', '-')} {have} (released: {want})")
     return differences
