@@ -7,16 +7,14 @@ and one figure in the layout of the released graph.py.
     python tools/report.py --released-only --experiment e-aux --out e-aux   # one experiment, per game, a figure
 
 The released results (phasic_policy_gradient/results/<folder>/progress-<game>.csv of the authors' code: hard mode,
-100M env steps, one EpRewMean row every 65,536 env steps) are --released, or
-$PPG_RELEASED_CODE/phasic_policy_gradient/results. A method is a variant of tools/experiments.py by its name (ppg,
-ppo, e-aux-2, ...), and its released figures stand beside its runs only where every flag that makes a run the
-released one is the released value (RELEASED_RUN: the batch, the levels, the hyperparameters, the variant's own flags,
-no KL guard, fp32) and every other flag is one of SAME_RUN's.
+100M env steps, one EpRewMean row every 65,536 env steps) are --released, or those of the released code where the
+tests find it ($PPG_RELEASED_CODE, else ../phasic-policy-gradient, where the README clones it). A method is a variant
+of tools/experiments.py by its name (ppg, ppo, e-aux-2, ...); its released figures stand beside its runs only where
+each flag is the released value (RELEASED_RUN, the variant's own flags over it) or one of SAME_RUN's.
 
-main() prints the report in this order, a function a step: heading (what each figure is), 1. per_game_table and
-released_column_notes, 2. aggregate (computed) with aggregate_table, ranking, early_rows_notes and comparison (P(X >
-Y), --compare), 3. our_curves and draw (the figure, in the released graph.py's layout).
-Writes <folder>/report.md and <folder>/report.png (or --out STEM); prints the report. rliable is imported here only.
+main() prints the report in steps, a function each: heading, 1. per_game_table, released_column_notes, 2. aggregate,
+aggregate_table, ranking, early_rows_notes, comparison (--compare), 3. our_curves, draw. Writes <folder>/report.md and
+<folder>/report.png (or --out STEM); prints the report. rliable is imported here only.
 """
 
 import argparse
@@ -32,8 +30,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # released_shims: where the tests look
 from experiments import EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
+from released_shims import CLONE_COMMAND, released_root  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
@@ -51,8 +51,7 @@ RELEASED_RUN = dict(distribution_mode="hard", num_levels=0, start_level=0)  # al
 RELEASED_RUN.update(num_envs=256, aux_mb_trajectories=16, num_steps=256, gamma=0.999, gae_lambda=0.95)
 RELEASED_RUN.update(learning_rate=5e-4, anneal_lr=False)  # lr and aux_lr, constant
 RELEASED_RUN.update(num_minibatches=8, clip_coef=0.2, kl_penalty=0.0, ent_coef=0.01)
-RELEASED_RUN.update(norm_reward=True, reward_norm_gamma=0.99)  # reward_normalizer.py, its return discounted by 0.99
-RELEASED_RUN.update(max_grad_norm=0.0)  # no gradient clipping
+RELEASED_RUN.update(norm_reward=True, reward_norm_gamma=0.99, max_grad_norm=0.0)  # reward_normalizer.py; no clipping
 RELEASED_RUN.update(arch="dual", n_pi=32, e_pi=1, e_v=1, e_aux=6, beta_clone=1.0)
 RELEASED_RUN.update(aux_kl_stop=0.0, precision="fp32")  # no KL guard in the released code; float32 throughout
 # The flags that do not make a run another run, each with why. Any other flag in a run's checkpoint (a flag added
@@ -119,9 +118,8 @@ def read_runs(folder: pathlib.Path, methods=None) -> list:
         if not found:
             print(f"{job.name}: no checkpoint yet, left out")
             continue
-        run_dir = os.path.dirname(found[-1])
         flags = torch.load(found[-1], map_location="cpu", weights_only=True)["args"]
-        acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+        acc = EventAccumulator(os.path.dirname(found[-1]), size_guidance={"scalars": 0})
         acc.Reload()
         tags = acc.Tags()["scalars"]
         episodes = acc.Scalars("charts/episodic_return") if "charts/episodic_return" in tags else []
@@ -306,11 +304,16 @@ def draw(path, title: str, games: list, methods: list, ours: dict, results, rele
     plt.close(fig)
 
 
-def released_results(given):
-    """The released results folder: --released, or $PPG_RELEASED_CODE's; None if neither is a folder."""
-    if given is None and os.environ.get("PPG_RELEASED_CODE"):
-        given = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
-    return given if given is not None and given.is_dir() else None
+def released_results(given) -> tuple:
+    """(the released results folder, "") or (None, why not): --released, else those of the released code where the
+    tests find it (released_root: $PPG_RELEASED_CODE, else beside the checkout, where the README clones it)."""
+    if given is not None:
+        return given, ""  # a folder: parse_options checked it
+    root, why = released_root()
+    if root is None:
+        return None, why
+    results = root / "phasic_policy_gradient" / "results"
+    return (results, "") if results.is_dir() else (None, f"{root} holds no phasic_policy_gradient/results")
 
 
 def released_only(opts, results: pathlib.Path) -> None:
@@ -338,9 +341,8 @@ def released_only(opts, results: pathlib.Path) -> None:
     for name in names:
         for v in EXPERIMENTS[name]["variants"]:
             runs = final[v].shape[0]
-            (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[v]
-            mean = with_interval(points[v][1], (mean_lo, mean_hi), runs)
-            lines.append(f"| {name} | {v} | {runs} | {mean} | {with_interval(points[v][0], (iqm_lo, iqm_hi), runs)} |")
+            iqm, mean = (with_interval(points[v][k], intervals[v][:, k], runs) for k in (0, 1))
+            lines.append(f"| {name} | {v} | {runs} | {mean} | {iqm} |")
     lines += ["", "| experiment | mean normalised score at 100M, a variant each |", "|---|---|"]
     for name in names:
         cells = ", ".join(f"{v} {points[v][1]:.3f}" for v in EXPERIMENTS[name]["variants"])
@@ -371,21 +373,12 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("folder", type=pathlib.Path, nargs="?", help="a sweep's folder, runs/<name>")
     parser.add_argument("--experiment", choices=list(EXPERIMENTS), help="report the variants of this experiment")
     parser.add_argument("--released-only", action="store_true", help="the released runs alone, without a folder")
-    parser.add_argument(
-        "--released",
-        type=pathlib.Path,
-        default=None,
-        help="the released code's results folder (default: $PPG_RELEASED_CODE/phasic_policy_gradient/results)",
-    )
+    where = "the released code's results folder (default: those of $PPG_RELEASED_CODE or ../phasic-policy-gradient)"
+    parser.add_argument("--released", type=pathlib.Path, help=where)
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument(
-        "--reps",
-        type=int,
-        default=2000,
-        help="bootstrap resamples of the intervals and P(X > Y) (the figure's bands: a tenth, at least 200); "
-        "rliable's own default is 50,000",
-    )
+    reps = "bootstrap resamples of the intervals and P(X > Y) (the figure's bands: a tenth, at least 200); rliable's"
+    parser.add_argument("--reps", type=int, default=2000, help=reps + " own default is 50,000")
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
     parser.add_argument("--out", help="the report's files: OUT.md and OUT.png (default: FOLDER/report)")
     opts = parser.parse_args()
@@ -393,6 +386,10 @@ def parse_options() -> argparse.Namespace:
         sys.exit(f"error: --reps must be at least 1 (got {opts.reps})")
     if opts.points < 2:
         sys.exit(f"error: --points must be at least 2: a curve needs two (got {opts.points})")
+    if opts.released is not None and not opts.released.is_dir():
+        sys.exit(
+            f"error: --released {opts.released}: not a folder (the released code's phasic_policy_gradient/results)"
+        )
     if opts.released_only and opts.folder is not None:
         sys.exit(f"error: --released-only reports no folder ({opts.folder}): drop one of them")
     if not opts.released_only and opts.folder is None:
@@ -431,11 +428,10 @@ def heading(opts, runs: list, games: list, methods: list, mode: str) -> list:
         "",
         f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, {mode} mode.",
         "",
-        f"Ours: a run's mean return over the episodes it had ended by the step, the last {WINDOW} at most (each "
-        f"figure says how many, < {WINDOW} marking fewer), a method's the mean over its seeds. "
-        f"Released: EpRewMean at the row of the step (a row: the last {WINDOW} episodes of each of the released code's "
-        f"4 workers), the mean over the variant's released runs; at 100M: the mean of each CSV's last {FINAL_ROWS} "
-        "rows.",
+        f"Ours: a run's mean return over the episodes it had ended by the step, the last {WINDOW} at most (each figure "
+        f"says how many, < {WINDOW} marking fewer), a method's the mean over its seeds. Released: EpRewMean at the row "
+        f"of the step (a row: the last {WINDOW} episodes of each of the released code's 4 workers), the mean over the "
+        f"variant's released runs; at 100M: the mean of each CSV's last {FINAL_ROWS} rows.",
         "",
     ]
 
@@ -472,10 +468,10 @@ def per_game_table(runs: list, games: list, methods: list, results, beside: list
     return lines, released_steps
 
 
-def released_column_notes(methods: list, results, differences: dict) -> list:
-    """Why a method has no released column: no released results, or its runs are not the released run."""
-    if results is None:
-        return ["", "(No released column: no released results folder given.)"]
+def released_column_notes(methods: list, differences: dict, missing: str) -> list:
+    """Why a method has no released column: no released results (`missing` says why), or runs not the released run."""
+    if missing:
+        return ["", f"(No released column: {missing}.)"]
     why = {
         m: f"(No released column beside {m}: its runs are not the released run: {'; '.join(d)}.)"
         for m, d in differences.items()
@@ -484,9 +480,8 @@ def released_column_notes(methods: list, results, differences: dict) -> list:
 
 
 def aggregate(runs: list, games: list, methods: list, reps: int) -> types.SimpleNamespace:
-    """2. Over games, at the last step every run reached: a method's seeds x games matrix of normalised scores (its
-    seeds with a run in every game; a method or seed left out says why), the episodes each run averages, and rliable's
-    IQM and mean with their intervals."""
+    """2. At the last step every run reached, a method's seeds x games matrix of normalised scores (of its seeds with
+    a run in every game; what is left out says why), the episodes a run averages, rliable's IQM and mean, intervals."""
     step = min(r["last"] for r in runs)
     scores, left_out, counts = {}, [], {}
     for m in methods:
@@ -516,9 +511,8 @@ def aggregate(runs: list, games: list, methods: list, reps: int) -> types.Simple
 
 
 def aggregate_table(agg, games: list, mode: str, results, beside: list, reps: int) -> list:
-    """2. A row a method: its seeds x games, the episodes a run averages, the IQM and mean (with intervals where it
-    is banded), and the released runs' mean over the same games at the same step and at 100M; then what was left
-    out."""
+    """2. A row a method: its seeds x games, episodes a run, IQM and mean (intervals where banded), and the released
+    runs' mean over the same games at the same step and at 100M; then what was left out and why."""
     lines = [
         "",
         f"Aggregate {mode}-normalised score over the {count(len(games), 'game')} at {agg.step:,} env steps (95% "
@@ -534,10 +528,8 @@ def aggregate_table(agg, games: list, mode: str, results, beside: list, reps: in
     released_final = {m: s for m, s in released_final.items() if s is not None}
     final_points, final_intervals = interval_estimates(released_final, reps) if released_final else ({}, {})
     for m in agg.scores:
-        (iqm_lo, mean_lo), (iqm_hi, mean_hi) = agg.intervals[m]
-        runs = agg.seeds[m] if agg.banded[m] else 0
-        iqm = with_interval(agg.points[m][0], (iqm_lo, iqm_hi), runs)
-        mean = with_interval(agg.points[m][1], (mean_lo, mean_hi), runs)
+        runs = agg.seeds[m] if agg.banded[m] else 0  # intervals[m][:, k]: [lower, upper] of the IQM (0), mean (1)
+        iqm, mean = (with_interval(agg.points[m][k], agg.intervals[m][:, k], runs) for k in (0, 1))
         now = "-" if released_now.get(m) is None else f"{released_now[m].mean():.3f}"
         final = "-"
         if m in final_points:
@@ -635,11 +627,9 @@ def figure_title(opts, games: list, ours: dict, agg, beside: list) -> str:
     title = f"{opts.folder.name}: {count(len(games), 'game')}, {seeds_a_method(agg.seeds)}"
     if any(agg.short.values()):
         title += f"\ntoo short to rank: fewer than {WINDOW} episodes a run by {agg.step:,} env steps"
-    bands = [m for m in agg.scores if agg.banded[m]]
-    if bands and len(bands) == len(ours):
-        title += "\nbands: 95% stratified-bootstrap CIs"
-    elif bands:
-        title += f"\nbands ({', '.join(bands)} only): 95% stratified-bootstrap CIs"
+    if bands := [m for m in agg.scores if agg.banded[m]]:
+        only = "" if len(bands) == len(ours) else f" ({', '.join(bands)} only)"
+        title += f"\nbands{only}: 95% stratified-bootstrap CIs"
     if beside:
         title += f"\ndashed: released, first {FIRST_VALID} rows dropped, smoothed {SMOOTHING}"
     return title
@@ -647,10 +637,11 @@ def figure_title(opts, games: list, ours: dict, agg, beside: list) -> str:
 
 def main() -> None:
     opts = parse_options()
-    results = released_results(opts.released)
+    results, missing = released_results(opts.released)
     if opts.released_only:
         if results is None:
-            sys.exit("error: --released-only: no released results folder (--released DIR or $PPG_RELEASED_CODE)")
+            fix = f"{CLONE_COMMAND}, with $PPG_RELEASED_CODE unset; or --released DIR"
+            sys.exit(f"error: --released-only: {missing} (to add it: {fix})")
         return released_only(opts, results)
     runs, games, methods, mode = read_sweep(opts)
     # a method's released figures stand beside it only where each of its runs is the released run of its variant
@@ -660,7 +651,7 @@ def main() -> None:
     beside = [m for m in methods if results is not None and not differences[m]]
     lines = heading(opts, runs, games, methods, mode)
     table, released_steps = per_game_table(runs, games, methods, results, beside)
-    lines += table + released_column_notes(methods, results, differences)
+    lines += table + released_column_notes(methods, differences, missing)
     agg = aggregate(runs, games, methods, opts.reps)
     lines += aggregate_table(agg, games, mode, results, beside, opts.reps) + ranking(agg)
     released_steps += [agg.step] if any(m in beside for m in agg.scores) else []
