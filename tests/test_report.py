@@ -308,8 +308,10 @@ def test_every_flag_of_both_scripts_is_compared_with_the_released_run_or_named_a
     assert report.differences_from_released(dict(method="ppg", flags=released)) == []
     assert all(report.SAME_RUN.values()) and not set(report.SAME_RUN) & set(report.RELEASED_RUN)
 
-    def another(value):
-        return not value if isinstance(value, bool) else 1 if value is None else value + type(value)(1)
+    def another(value):  # a value other than `value`: True -> False, None -> 1, 3 -> 4, 0.2 -> 1.2, "dual" -> "dual1"
+        if isinstance(value, bool):
+            return not value
+        return 1 if value is None else value + type(value)(1)
 
     for name in SCRIPTS:
         for field in dataclasses.fields(load_script(name).Args):
@@ -326,15 +328,8 @@ def test_every_flag_of_both_scripts_is_compared_with_the_released_run_or_named_a
         (results / f"ppg-run{run}" / "progress-bigfish.csv").write_text("EpRewMean\n" + "1.0\n" * 20)
     write_run(sweep, "bigfish", "ppg", 1, [1.0] * 100, last=12 * 65_536, flags=experiments.PAPER_PROTOCOL)
     assert "| ppg released |" in report_out(sweep, monkeypatch, capsys, "--released", str(results))
-    write_run(
-        sweep,
-        "bigfish",
-        "ppg",
-        2,
-        [1.0] * 100,
-        last=12 * 65_536,
-        flags=f"{experiments.PAPER_PROTOCOL} --precision bf16",
-    )
+    bf16 = f"{experiments.PAPER_PROTOCOL} --precision bf16"
+    write_run(sweep, "bigfish", "ppg", 2, [1.0] * 100, last=12 * 65_536, flags=bf16)  # a second seed, in bf16
     out = report_out(sweep, monkeypatch, capsys, "--released", str(results))
     aggregate = next(line for line in out.splitlines() if line.startswith("| ppg | 2 x 1 |"))
     assert "released" not in out.split("| game |")[1].splitlines()[0] and aggregate.endswith(" | - | - |"), out
