@@ -25,6 +25,12 @@ def load_report():
     return load_tool("report", "report_tool")
 
 
+def without_released_code(monkeypatch, folder) -> None:
+    """As where the released code is not found: $PPG_RELEASED_CODE names a folder without it (unset, report.py would
+    find a copy beside the checkout, as the tests do)."""
+    monkeypatch.setenv("PPG_RELEASED_CODE", str(folder))
+
+
 def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tmp_path):
     out = tmp_path / "report"
     done = subprocess.run(
@@ -32,14 +38,14 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
         capture_output=True,
         text=True,
         timeout=PATIENCE_S,
-        env={k: v for k, v in os.environ.items() if k != "PPG_RELEASED_CODE"},
+        env=dict(os.environ, PPG_RELEASED_CODE=str(tmp_path)),  # a folder without the released code
     )
     assert done.returncode == 0, done.stderr[-2000:]
     text = out.with_suffix(".md").read_text()
     for game in SWEEP_GAMES:  # each method's mean over its 2 seeds, at the step both reached: a few episodes each
         row = next(line for line in text.splitlines() if line.startswith(f"| {game} |"))
         assert row.count("(2, 192, ") == 2 and row.count(" < 100)") == 2, row
-    assert "(No released column: no released results folder given.)" in text
+    assert f"(No released column: PPG_RELEASED_CODE={tmp_path} holds no phasic_policy_gradient/ppg.py.)" in text
     assert "at 192 env steps" in text and text.count("| 2 x 1 | ") == 2  # ppg and ppo: 2 seeds x 1 game each
     assert "Ranking: none, the runs are too short: fewer than 100 episodes a run by 192 env steps." in text
     assert "P(ppg > ppo) needs longer runs" in text and "[" not in text.split("| ppg | 2 x 1 |")[1].splitlines()[0]
@@ -118,6 +124,33 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     assert report.released_return(results, "ppg", "bigfish", 65_535) is None  # before the first row
 
 
+def test_released_only_finds_the_released_code_where_the_quick_start_clones_it(tmp_path):
+    """`python tools/report.py --released-only`, no --released, no $PPG_RELEASED_CODE, in a copy of the checkout: with no
+    released code beside it, one line saying so and the clone command; with the released code where the README's
+    Quick start clones it (../phasic-policy-gradient: here a link to a copy of it), the released runs' table."""
+    import shutil
+
+    from released_shims import CLONE_COMMAND, released_root
+
+    root, why = released_root()
+    if root is None:
+        pytest.skip(why)
+    checkout = tmp_path / "ppg"  # what report.py needs of a checkout: tools/ and where the tests find the released code
+    shutil.copytree(ROOT / "tools", checkout / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "released_shims.py", checkout / "tests")
+    env = {k: v for k, v in os.environ.items() if k != "PPG_RELEASED_CODE"}
+    argv = [sys.executable, "tools/report.py", "--released-only", "--experiment", "ppg", "--reps", "50"]  # (quicker)
+    done = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert "error: --released-only: the authors' released code is not beside the checkout" in done.stderr
+    assert f"(to add it: {CLONE_COMMAND}, with $PPG_RELEASED_CODE unset; or --released DIR)" in done.stderr
+    (tmp_path / "phasic-policy-gradient").symlink_to(root.resolve(), target_is_directory=True)
+    done = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"\| ppg \| ppg \| 3 \| 0\.754 \[0\.7\d\d, 0\.7\d\d\] \|", done.stdout), done.stdout
+
+
 def test_released_rows_are_read_from_the_real_results():
     from released_shims import released_root
 
@@ -145,7 +178,7 @@ def test_with_one_seed_the_report_says_intervals_need_more_seeds(tmp_path, monke
         drawn.append((ax.get_title(), len(ax.lines), len(ax.collections)))
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
-    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+    without_released_code(monkeypatch, tmp_path)
 
     def report_of(folder) -> str:
         monkeypatch.setattr(sys, "argv", ["report.py", str(folder), "--reps", "50", "--points", "4"])
@@ -179,7 +212,7 @@ def test_bad_input_stops_in_one_line_and_a_folder_kept_aside_is_left_out(tmp_pat
     """--reps and --points below what they can mean, and an Atari sweep (no Procgen normalisation range), stop in one
     line naming the flag or the folder; a job folder kept aside under another name is left out, said in one line."""
     report = load_report()
-    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+    without_released_code(monkeypatch, tmp_path)
 
     def stop_of(*argv) -> str:
         monkeypatch.setattr(sys, "argv", ["report.py", *map(str, argv)])
@@ -241,7 +274,9 @@ def test_a_run_is_the_released_run_of_its_variant_only_with_every_released_flag(
         "--beta-clone": "0.5",
         "--kl-penalty": "1",
         "--aux-kl-stop": "0.02",
+        "--precision": "bf16",
     }
+    assert {flag[2:].removeprefix("no-").replace("-", "_") for flag in changed} == set(report.RELEASED_RUN)
     for flag, value in changed.items():
         args = script_args(*experiments.PAPER_PROTOCOL.split(), flag, *([value] if value else []))
         (difference,) = report.differences_from_released(dict(method="ppg", flags=args))
@@ -255,6 +290,52 @@ def test_a_run_is_the_released_run_of_its_variant_only_with_every_released_flag(
         "--kl-penalty not in its checkpoint (released: 0.0)"
     ]
     assert report.differences_from_released(dict(method="eaux2", flags=eaux2)) == ["no released variant is named eaux2"]
+
+
+def test_every_flag_of_both_scripts_is_compared_with_the_released_run_or_named_as_the_same_run(
+    tmp_path, monkeypatch, capsys
+):
+    """Each Args field of both scripts is compared with its released value or named in SAME_RUN with its reason:
+    changed alone, a compared field is the one difference named, a SAME_RUN field none; a field in neither (a flag
+    added later, an Atari flag) is named too, so no flag slips through. A bf16 run at the paper's protocol is not the
+    released run: the report prints no released column beside it, and a line naming --precision."""
+    import dataclasses
+
+    from conftest import SCRIPTS, load_script
+
+    report, experiments = load_report(), load_tool("experiments", "experiments_table")
+    released = script_args(*experiments.PAPER_PROTOCOL.split())
+    assert report.differences_from_released(dict(method="ppg", flags=released)) == []
+    assert all(report.SAME_RUN.values()) and not set(report.SAME_RUN) & set(report.RELEASED_RUN)
+
+    def another(value):  # a value other than `value`: True -> False, None -> 1, 3 -> 4, 0.2 -> 1.2, "dual" -> "dual1"
+        if isinstance(value, bool):
+            return not value
+        return 1 if value is None else value + type(value)(1)
+
+    for name in SCRIPTS:
+        for field in dataclasses.fields(load_script(name).Args):
+            value = another(released.get(field.name, field.default))  # a Procgen run with this one flag changed
+            found = report.differences_from_released(dict(method="ppg", flags={**released, field.name: value}))
+            if field.name in report.SAME_RUN:
+                assert found == [], (name, field.name, found)
+            else:
+                assert len(found) == 1 and found[0].startswith(f"--{field.name.replace('_', '-')} "), (name, found)
+                assert field.name in report.RELEASED_RUN or field.name not in released, (name, field.name)
+    results, sweep = tmp_path / "results", tmp_path / "sweep"
+    for run in range(3):
+        (results / f"ppg-run{run}").mkdir(parents=True)
+        (results / f"ppg-run{run}" / "progress-bigfish.csv").write_text("EpRewMean\n" + "1.0\n" * 20)
+    write_run(sweep, "bigfish", "ppg", 1, [1.0] * 100, last=12 * 65_536, flags=experiments.PAPER_PROTOCOL)
+    assert "| ppg released |" in report_out(sweep, monkeypatch, capsys, "--released", str(results))
+    bf16 = f"{experiments.PAPER_PROTOCOL} --precision bf16"
+    write_run(sweep, "bigfish", "ppg", 2, [1.0] * 100, last=12 * 65_536, flags=bf16)  # a second seed, in bf16
+    out = report_out(sweep, monkeypatch, capsys, "--released", str(results))
+    aggregate = next(line for line in out.splitlines() if line.startswith("| ppg | 2 x 1 |"))
+    assert "released" not in out.split("| game |")[1].splitlines()[0] and aggregate.endswith(" | - | - |"), out
+    assert (
+        "(No released column beside ppg: its runs are not the released run: --precision bf16 (released: fp32).)" in out
+    )
 
 
 def released_by_hand(results, folders: list) -> float:
@@ -381,7 +462,7 @@ def report_out(folder, monkeypatch, capsys, *flags) -> str:
     import matplotlib.figure
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda *args, **kwargs: None)
-    monkeypatch.delenv("PPG_RELEASED_CODE", raising=False)
+    without_released_code(monkeypatch, folder)
     monkeypatch.setattr(sys, "argv", ["report.py", str(folder), "--reps", "50", "--points", "3", *flags])
     load_report().main()
     return capsys.readouterr().out

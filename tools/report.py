@@ -7,24 +7,14 @@ and one figure in the layout of the released graph.py.
     python tools/report.py --released-only --experiment e-aux --out e-aux   # one experiment, per game, a figure
 
 The released results (phasic_policy_gradient/results/<folder>/progress-<game>.csv of the authors' code: hard mode,
-100M env steps, one EpRewMean row every 65,536 env steps) are --released, or
-$PPG_RELEASED_CODE/phasic_policy_gradient/results. A method is a variant of tools/experiments.py by its name (ppg,
-ppo, e-aux-2, ...), and its released figures stand beside its runs only where every flag that makes a run the
-released one is the released value (RELEASED_RUN: the batch, the levels, the hyperparameters, the variant's own flags
-and no KL guard).
+100M env steps, one EpRewMean row every 65,536 env steps) are --released, or those of the released code where the
+tests find it ($PPG_RELEASED_CODE, else ../phasic-policy-gradient, where the README clones it). A method is a variant
+of tools/experiments.py by its name (ppg, ppo, e-aux-2, ...); its released figures stand beside its runs only where
+each flag is the released value (RELEASED_RUN, the variant's own flags over it) or one of SAME_RUN's.
 
-1. Per game and method: the mean over seeds of each seed's mean return over its last 100 episodes, at the last env
-   step every seed of that game and method reached; beside it the released runs' EpRewMean at the row of that step
-   (row i is at (i + 1) x 65,536 env steps), the mean over the variant's released runs.
-2. Over games, per method: the normalised score (tools/scores.py, the runs' --distribution-mode) at the last step
-   every run reached, as rliable's IQM and mean with 95% stratified-bootstrap confidence intervals (a runs x games
-   matrix, a row a seed) where a method has 2 seeds or more in every game, and rliable's probability that one method
-   beats the other (--compare); beside it the released runs' mean at the same step and at 100M (the mean of each
-   CSV's last 10 rows), over the same games.
-3. One figure: a panel a game and the aggregate normalised score (--metric, default mean) against env steps, a line a
-   method (solid: ours, with its 95% band where it has 2 seeds or more; dashed: the released runs, first 10 rows
-   dropped and smoothed as the released graph.py draws them).
-Writes <folder>/report.md and <folder>/report.png (or --out STEM); prints the report. rliable is imported here only.
+main() prints the report in steps, a function each: heading, 1. per_game_table, released_column_notes, 2. aggregate,
+aggregate_table, ranking, early_rows_notes, comparison (--compare), 3. our_curves, draw. Writes <folder>/report.md and
+<folder>/report.png (or --out STEM); prints the report. rliable is imported here only.
 """
 
 import argparse
@@ -33,14 +23,17 @@ import math
 import os
 import pathlib
 import sys
+import types
 
 import numpy as np
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # released_shims: where the tests look
 from experiments import EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
+from released_shims import CLONE_COMMAND, released_root  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
@@ -53,33 +46,21 @@ GAMES = sorted(NORMALISATION["hard"])  # the 16 Procgen games, each a released C
 
 # Every flag of ppg_procgen.py that makes a run the released one, at the released train.py's values (its README runs
 # `mpiexec -np 4`: 4 workers x 64 envs, 4 x 4 aux trajectories, in one process 256 and 16); a variant's own flags
-# (tools/experiments.py) replace these. total_timesteps is not among them: a shorter run is compared at its own step.
-RELEASED_RUN = dict(
-    distribution_mode="hard",
-    num_levels=0,  # the full level distribution, from level 0 (envs.py's defaults)
-    start_level=0,
-    num_envs=256,
-    aux_mb_trajectories=16,
-    num_steps=256,
-    gamma=0.999,
-    gae_lambda=0.95,
-    learning_rate=5e-4,  # lr and aux_lr
-    anneal_lr=False,
-    num_minibatches=8,
-    clip_coef=0.2,
-    kl_penalty=0.0,
-    ent_coef=0.01,
-    norm_reward=True,  # reward_normalizer.py, its return discounted by 0.99
-    reward_norm_gamma=0.99,
-    max_grad_norm=0.0,  # no gradient clipping
-    arch="dual",
-    n_pi=32,
-    e_pi=1,
-    e_v=1,
-    e_aux=6,
-    beta_clone=1.0,
-    aux_kl_stop=0.0,  # no KL guard in the released code
-)
+# (tools/experiments.py) replace these.
+RELEASED_RUN = dict(distribution_mode="hard", num_levels=0, start_level=0)  # all levels from 0 (envs.py's defaults)
+RELEASED_RUN.update(num_envs=256, aux_mb_trajectories=16, num_steps=256, gamma=0.999, gae_lambda=0.95)
+RELEASED_RUN.update(learning_rate=5e-4, anneal_lr=False)  # lr and aux_lr, constant
+RELEASED_RUN.update(num_minibatches=8, clip_coef=0.2, kl_penalty=0.0, ent_coef=0.01)
+RELEASED_RUN.update(norm_reward=True, reward_norm_gamma=0.99, max_grad_norm=0.0)  # reward_normalizer.py; no clipping
+RELEASED_RUN.update(arch="dual", n_pi=32, e_pi=1, e_v=1, e_aux=6, beta_clone=1.0)
+RELEASED_RUN.update(aux_kl_stop=0.0, precision="fp32")  # no KL guard in the released code; float32 throughout
+# The flags that do not make a run another run, each with why. Any other flag in a run's checkpoint (a flag added
+# later, an Atari flag) is a difference: tests/test_report.py holds every Args field of both scripts to one of the two.
+SAME_RUN = dict(seed="a seed is one of the runs", env_id="the game: a run a game", exp_name="the run's name")
+SAME_RUN.update(total_timesteps="the budget: a shorter run is compared at its own step", resume="the same run, resumed")
+SAME_RUN.update(track="logging", wandb_project_name="logging", wandb_entity="logging", cuda="the device")
+SAME_RUN.update(torch_deterministic="cuDNN's choice of kernels: the same update in another summation order")
+SAME_RUN.update(micro_batch_size="chunks of a minibatch: the same update in another summation order")
 # variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
 VARIANTS = {
     name: (flags, exp["released"][name]) for exp in EXPERIMENTS.values() for name, flags in exp["variants"].items()
@@ -113,9 +94,9 @@ def differences_from_released(run: dict) -> list:
     """Why a run is not the released run of its method: ['--num-envs 64 (released: 256)', ...]; [] if it is."""
     if run["method"] not in VARIANTS:
         return [f"no released variant is named {run['method']}"]
-    differences = []
-    for name, want in released_flags(run["method"]).items():
-        have = run["flags"].get(name, "not in its checkpoint")
+    released, differences = released_flags(run["method"]), []
+    for name in [*released, *(n for n in run["flags"] if n not in released and n not in SAME_RUN)]:
+        have, want = run["flags"].get(name, "not in its checkpoint"), released.get(name, "no such flag")
         if have != want:
             differences.append(f"--{name.replace('_', '-')} {have} (released: {want})")
     return differences
@@ -137,27 +118,16 @@ def read_runs(folder: pathlib.Path, methods=None) -> list:
         if not found:
             print(f"{job.name}: no checkpoint yet, left out")
             continue
-        run_dir = os.path.dirname(found[-1])
         flags = torch.load(found[-1], map_location="cpu", weights_only=True)["args"]
-        acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+        acc = EventAccumulator(os.path.dirname(found[-1]), size_guidance={"scalars": 0})
         acc.Reload()
         tags = acc.Tags()["scalars"]
-        episodes = (
-            sorted(acc.Scalars("charts/episodic_return"), key=lambda e: e.step)
-            if "charts/episodic_return" in tags
-            else []
-        )
+        episodes = acc.Scalars("charts/episodic_return") if "charts/episodic_return" in tags else []
+        episodes = sorted(episodes, key=lambda e: e.step)
         last = max((e.step for e in acc.Scalars("losses/value_loss")), default=0) if "losses/value_loss" in tags else 0
+        steps, returns = np.array([e.step for e in episodes]), np.array([e.value for e in episodes])
         runs.append(
-            dict(
-                game=game,
-                method=method,
-                seed=int(seed),
-                flags=flags,
-                steps=np.array([e.step for e in episodes]),
-                returns=np.array([e.value for e in episodes]),
-                last=last,
-            )
+            dict(game=game, method=method, seed=int(seed), flags=flags, steps=steps, returns=returns, last=last)
         )
     return runs
 
@@ -289,9 +259,7 @@ def released_curve(results: pathlib.Path, method: str, games: list, last_step: i
     return (np.arange(FIRST_VALID, rows) + 1) * STEPS_PER_RELEASED_ROW, smoothed(values)
 
 
-def draw(
-    path, title: str, games: list, methods: list, ours: dict, results, released: list, metric: int, end: int, mode
-):
+def draw(path, title: str, games: list, methods: list, ours: dict, results, released: list, metric: int, end, mode):
     """The figure in the released graph.py's layout: a square grid of per-game panels and, beside it, the aggregate
     normalised score; a colour a method, ours solid (its band where `ours` gives one), dashed the released runs of the
     methods in `released`, up to env step `end`.
@@ -336,11 +304,16 @@ def draw(
     plt.close(fig)
 
 
-def released_results(given):
-    """The released results folder: --released, or $PPG_RELEASED_CODE's; None if neither is a folder."""
-    if given is None and os.environ.get("PPG_RELEASED_CODE"):
-        given = pathlib.Path(os.environ["PPG_RELEASED_CODE"]) / "phasic_policy_gradient" / "results"
-    return given if given is not None and given.is_dir() else None
+def released_results(given) -> tuple:
+    """(the released results folder, "") or (None, why not): --released, else those of the released code where the
+    tests find it (released_root: $PPG_RELEASED_CODE, else beside the checkout, where the README clones it)."""
+    if given is not None:
+        return given, ""  # a folder: parse_options checked it
+    root, why = released_root()
+    if root is None:
+        return None, why
+    results = root / "phasic_policy_gradient" / "results"
+    return (results, "") if results.is_dir() else (None, f"{root} holds no phasic_policy_gradient/results")
 
 
 def released_only(opts, results: pathlib.Path) -> None:
@@ -368,9 +341,8 @@ def released_only(opts, results: pathlib.Path) -> None:
     for name in names:
         for v in EXPERIMENTS[name]["variants"]:
             runs = final[v].shape[0]
-            (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[v]
-            mean = with_interval(points[v][1], (mean_lo, mean_hi), runs)
-            lines.append(f"| {name} | {v} | {runs} | {mean} | {with_interval(points[v][0], (iqm_lo, iqm_hi), runs)} |")
+            iqm, mean = (with_interval(points[v][k], intervals[v][:, k], runs) for k in (0, 1))
+            lines.append(f"| {name} | {v} | {runs} | {mean} | {iqm} |")
     lines += ["", "| experiment | mean normalised score at 100M, a variant each |", "|---|---|"]
     for name in names:
         cells = ", ".join(f"{v} {points[v][1]:.3f}" for v in EXPERIMENTS[name]["variants"])
@@ -389,62 +361,44 @@ def released_only(opts, results: pathlib.Path) -> None:
     if opts.out:
         if opts.experiment:
             title = f"the released runs of {opts.experiment}\nfirst {FIRST_VALID} rows dropped, smoothed {SMOOTHING}"
-            metric = 0 if opts.metric == "iqm" else 1
-            draw(
-                f"{opts.out}.png",
-                title,
-                GAMES,
-                list(final),
-                {},
-                results,
-                list(final),
-                metric,
-                rows * STEPS_PER_RELEASED_ROW,
-                "hard",
-            )
+            metric, end = (0 if opts.metric == "iqm" else 1), rows * STEPS_PER_RELEASED_ROW
+            draw(f"{opts.out}.png", title, GAMES, list(final), {}, results, list(final), metric, end, "hard")
             lines += ["", f"![the released runs]({pathlib.Path(opts.out).name}.png)"]
         pathlib.Path(f"{opts.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def main() -> None:
+def parse_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("folder", type=pathlib.Path, nargs="?", help="a sweep's folder, runs/<name>")
-    parser.add_argument(
-        "--experiment", choices=list(EXPERIMENTS), default=None, help="report the variants of this experiment"
-    )
+    parser.add_argument("--experiment", choices=list(EXPERIMENTS), help="report the variants of this experiment")
     parser.add_argument("--released-only", action="store_true", help="the released runs alone, without a folder")
-    parser.add_argument(
-        "--released",
-        type=pathlib.Path,
-        default=None,
-        help="the released code's results folder (default: $PPG_RELEASED_CODE/phasic_policy_gradient/results)",
-    )
+    where = "the released code's results folder (default: those of $PPG_RELEASED_CODE or ../phasic-policy-gradient)"
+    parser.add_argument("--released", type=pathlib.Path, help=where)
     parser.add_argument("--compare", nargs=2, default=["ppg", "ppo"], metavar=("X", "Y"), help="P(X beats Y)")
     parser.add_argument("--metric", choices=("mean", "iqm"), default="mean", help="the figure's aggregate")
-    parser.add_argument(
-        "--reps",
-        type=int,
-        default=2000,
-        help="bootstrap resamples of the intervals and P(X > Y) (the figure's bands: a tenth, at least 200); "
-        "rliable's own default is 50,000",
-    )
+    reps = "bootstrap resamples of the intervals and P(X > Y) (the figure's bands: a tenth, at least 200); rliable's"
+    parser.add_argument("--reps", type=int, default=2000, help=reps + " own default is 50,000")
     parser.add_argument("--points", type=int, default=20, help="env-step points on the figure's curves")
-    parser.add_argument("--out", default=None, help="the report's files: OUT.md and OUT.png (default: FOLDER/report)")
+    parser.add_argument("--out", help="the report's files: OUT.md and OUT.png (default: FOLDER/report)")
     opts = parser.parse_args()
     if opts.reps < 1:
         sys.exit(f"error: --reps must be at least 1 (got {opts.reps})")
     if opts.points < 2:
         sys.exit(f"error: --points must be at least 2: a curve needs two (got {opts.points})")
-    results = released_results(opts.released)
-    if opts.released_only:
-        if opts.folder is not None:
-            sys.exit(f"error: --released-only reports no folder ({opts.folder}): drop one of them")
-        if results is None:
-            sys.exit("error: --released-only: no released results folder (--released DIR or $PPG_RELEASED_CODE)")
-        return released_only(opts, results)
-    if opts.folder is None:
+    if opts.released is not None and not opts.released.is_dir():
+        sys.exit(
+            f"error: --released {opts.released}: not a folder (the released code's phasic_policy_gradient/results)"
+        )
+    if opts.released_only and opts.folder is not None:
+        sys.exit(f"error: --released-only reports no folder ({opts.folder}): drop one of them")
+    if not opts.released_only and opts.folder is None:
         sys.exit("error: no folder given: tools/report.py runs/<name> (or --released-only)")
+    return opts
+
+
+def read_sweep(opts) -> tuple:
+    """(runs, games, methods, distribution mode) of the folder, in the report's order; stops where it cannot report."""
     if not opts.folder.is_dir():
         sys.exit(f"error: {opts.folder}: not a folder")
     variants = list(EXPERIMENTS[opts.experiment]["variants"]) if opts.experiment else None
@@ -453,45 +407,43 @@ def main() -> None:
         sys.exit(
             f"error: {opts.folder}: no run with a checkpoint (a tools/sweep.py folder holds <game>__<method>__<seed>/)"
         )
-    games = sorted({r["game"] for r in runs})
-    methods = (
-        [m for m in variants if any(r["method"] == m for r in runs)]
-        if variants
-        else sorted({r["method"] for r in runs})
-    )
+    present = {r["method"] for r in runs}
+    methods = [m for m in variants if m in present] if variants else sorted(present)
     if not all("distribution_mode" in r["flags"] for r in runs):  # scores are normalised by Procgen's ranges
         sys.exit(f"error: {opts.folder}: Procgen sweeps only (an Atari run: tools/summarise_run.py, plot_runs.py)")
     modes = {r["flags"]["distribution_mode"] for r in runs}
     if len(modes) > 1:
         sys.exit(f"error: {opts.folder}: runs of both distribution modes ({sorted(modes)}): report each sweep alone")
-    mode = modes.pop()
+    games, mode = sorted({r["game"] for r in runs}), modes.pop()
     if unknown := [g for g in games if g not in NORMALISATION[mode]]:
         sys.exit(f"error: {opts.folder}: {unknown} have no Procgen normalisation range")
-    # a method's released figures stand beside it only where each of its runs is the released run of its variant
-    differences = {
-        m: sorted({d for r in runs if r["method"] == m for d in differences_from_released(r)}) for m in methods
-    }
-    beside = [m for m in methods if results is not None and not differences[m]]
+    return runs, games, methods, mode
+
+
+def heading(opts, runs: list, games: list, methods: list, mode: str) -> list:
+    """The report's title, what it holds, and how each figure of ours and of the released runs is made."""
     experiment = f" (experiment {opts.experiment})" if opts.experiment else ""
-    lines = [
+    return [
         f"# Report of {opts.folder}{experiment}",
         "",
         f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, {mode} mode.",
         "",
-        f"Ours: a run's mean return over the episodes it had ended by the step, the last {WINDOW} at most (each "
-        f"figure says how many, < {WINDOW} marking fewer), a method's the mean over its seeds. "
-        f"Released: EpRewMean at the row of the step (a row: the last {WINDOW} episodes of each of the released code's "
-        f"4 workers), the mean over the variant's released runs; at 100M: the mean of each CSV's last {FINAL_ROWS} "
-        "rows.",
+        f"Ours: a run's mean return over the episodes it had ended by the step, the last {WINDOW} at most (each figure "
+        f"says how many, < {WINDOW} marking fewer), a method's the mean over its seeds. Released: EpRewMean at the row "
+        f"of the step (a row: the last {WINDOW} episodes of each of the released code's 4 workers), the mean over the "
+        f"variant's released runs; at 100M: the mean of each CSV's last {FINAL_ROWS} rows.",
         "",
     ]
 
-    # 1. The per-game table
+
+def per_game_table(runs: list, games: list, methods: list, results, beside: list) -> tuple:
+    """1. A row a game: each method's mean over its seeds at the last step they all reached, and the released figure
+    beside the methods in `beside`. (lines, the steps the released figures are read at)."""
     header = "| game | " + " | ".join(
         f"{m} (seeds, step, episodes a seed)" + (f" | {m} released" if m in beside else "") for m in methods
     )
-    lines += [header + " |", "|" + "---|" * (header.count("|"))]
-    released_steps, marked = [], False  # the steps the released figures are read at; a figure of < WINDOW episodes
+    lines = [header + " |", "|" + "---|" * (header.count("|"))]
+    released_steps, marked = [], False  # marked: a figure of < WINDOW episodes
     for game in games:
         cells = []
         for method in methods:
@@ -513,97 +465,109 @@ def main() -> None:
             f"(A figure marked < {WINDOW} averages fewer than {WINDOW} episodes in a seed: by that step the run had "
             f"not ended {WINDOW}, so it is not the {WINDOW}-episode mean of the others.)",
         ]
-    if results is None:
-        lines += ["", "(No released column: no released results folder given.)"]
-    for m in methods:
-        if results is not None and differences[m]:
-            lines += [
-                "",
-                f"(No released column beside {m}: its runs are not the released run: {'; '.join(differences[m])}.)",
-            ]
+    return lines, released_steps
 
-    # 2. The aggregate at the last step every run reached: a runs x games matrix a method, of the seeds in every game
+
+def released_column_notes(methods: list, differences: dict, missing: str) -> list:
+    """Why a method has no released column: no released results (`missing` says why), or runs not the released run."""
+    if missing:
+        return ["", f"(No released column: {missing}.)"]
+    why = {
+        m: f"(No released column beside {m}: its runs are not the released run: {'; '.join(d)}.)"
+        for m, d in differences.items()
+    }
+    return [line for m in methods if differences[m] for line in ("", why[m])]
+
+
+def aggregate(runs: list, games: list, methods: list, reps: int) -> types.SimpleNamespace:
+    """2. At the last step every run reached, a method's seeds x games matrix of normalised scores (of its seeds with
+    a run in every game; what is left out says why), the episodes a run averages, rliable's IQM and mean, intervals."""
     step = min(r["last"] for r in runs)
-    score_dict, left_out, counts = {}, [], {}
+    scores, left_out, counts = {}, [], {}
     for m in methods:
         mine = [r for r in runs if r["method"] == m]
-        kept = common_seeds(runs, m, games)
+        kept, out = common_seeds(runs, m, games), f"{m} is left out of the aggregate"
         if missing := [g for g in games if not any(r["game"] == g for r in mine)]:
-            left_out.append(
-                f"{m} is left out of the aggregate: no seed has a run in every game (none in {', '.join(missing)})."
-            )
+            left_out.append(f"{out}: no seed has a run in every game (none in {', '.join(missing)}).")
             continue
         if not kept:
-            left_out.append(f"{m} is left out of the aggregate: no seed has a run in every game.")
+            left_out.append(f"{out}: no seed has a run in every game.")
             continue
         for seed in sorted({r["seed"] for r in mine} - set(kept)):
             lacks = [g for g in games if not any(r["game"] == g and r["seed"] == seed for r in mine)]
             left_out.append(f"{m} seed {seed} is left out of the aggregate: it has no run in {', '.join(lacks)}.")
         mine = [r for r in mine if r["seed"] in kept]
         if empty := [f"{r['game']} seed {r['seed']}" for r in mine if episodes_at(r, step) == 0]:
-            left_out.append(
-                f"{m} is left out of the aggregate: no episode had ended by {step:,} env steps in {', '.join(empty)}."
-            )
+            left_out.append(f"{out}: no episode had ended by {step:,} env steps in {', '.join(empty)}.")
             continue
-        score_dict[m] = score_matrix(runs, m, games, step)
+        scores[m] = score_matrix(runs, m, games, step)
         counts[m] = [episodes_at(r, step) for r in mine]
-    seeds = {m: s.shape[0] for m, s in score_dict.items()}  # the seeds every game has, per method
-    short = {m: sum(c < WINDOW for c in counts[m]) for m in score_dict}  # runs of fewer than WINDOW episodes
-    banded = {m: seeds[m] >= MIN_SEEDS and not short[m] for m in score_dict}  # those with an interval
-    lines += [
+    agg = types.SimpleNamespace(step=step, scores=scores, counts=counts, left_out=left_out)
+    agg.seeds = {m: s.shape[0] for m, s in scores.items()}  # the seeds every game has, per method
+    agg.short = {m: sum(c < WINDOW for c in counts[m]) for m in scores}  # runs of fewer than WINDOW episodes
+    agg.banded = {m: agg.seeds[m] >= MIN_SEEDS and not agg.short[m] for m in scores}  # those with an interval
+    agg.points, agg.intervals = interval_estimates(scores, reps) if scores else ({}, {})
+    return agg
+
+
+def aggregate_table(agg, games: list, mode: str, results, beside: list, reps: int) -> list:
+    """2. A row a method: its seeds x games, episodes a run, IQM and mean (intervals where banded), and the released
+    runs' mean over the same games at the same step and at 100M; then what was left out and why."""
+    lines = [
         "",
-        f"Aggregate {mode}-normalised score over the {count(len(games), 'game')} at {step:,} env steps (95% "
-        f"stratified-bootstrap CIs, {opts.reps:,} resamples, where a method has {MIN_SEEDS} seeds or more); the "
+        f"Aggregate {mode}-normalised score over the {count(len(games), 'game')} at {agg.step:,} env steps (95% "
+        f"stratified-bootstrap CIs, {reps:,} resamples, where a method has {MIN_SEEDS} seeds or more); the "
         f"released runs over the same games, at the same step and at 100M:",
         "",
-    ]
-    lines += [
         "| method | seeds x games | episodes a run | IQM [95% CI] | mean [95% CI] | released mean, same step | "
         "released mean at 100M |",
         "|---|---|---|---|---|---|---|",
     ]
-    released_now = {m: released_matrix(results, m, games, step) for m in score_dict if m in beside}
-    released_final = {m: released_matrix(results, m, games) for m in score_dict if m in beside}
+    released_now = {m: released_matrix(results, m, games, agg.step) for m in agg.scores if m in beside}
+    released_final = {m: released_matrix(results, m, games) for m in agg.scores if m in beside}
     released_final = {m: s for m, s in released_final.items() if s is not None}
-    if score_dict:
-        points, intervals = interval_estimates(score_dict, opts.reps)
-        final_points, final_intervals = interval_estimates(released_final, opts.reps) if released_final else ({}, {})
-        for m in score_dict:
-            (iqm_lo, mean_lo), (iqm_hi, mean_hi) = intervals[m]
-            iqm = with_interval(points[m][0], (iqm_lo, iqm_hi), seeds[m] if banded[m] else 0)
-            mean = with_interval(points[m][1], (mean_lo, mean_hi), seeds[m] if banded[m] else 0)
-            now = "-" if released_now.get(m) is None else f"{released_now[m].mean():.3f}"
-            final = "-"
-            if m in final_points:
-                final = with_interval(final_points[m][1], final_intervals[m][:, 1], released_final[m].shape[0])
-            matrix = f"{seeds[m]} x {score_dict[m].shape[1]}"
-            lines.append(f"| {m} | {matrix} | {episode_counts(counts[m])} | {iqm} | {mean} | {now} | {final} |")
-        released_steps += [step] if released_now else []
-    lines += [line for why in left_out for line in ("", why)]
-    if few := [f"{m} has {count(n, 'seed')}" for m, n in seeds.items() if n < MIN_SEEDS]:
+    final_points, final_intervals = interval_estimates(released_final, reps) if released_final else ({}, {})
+    for m in agg.scores:
+        runs = agg.seeds[m] if agg.banded[m] else 0  # intervals[m][:, k]: [lower, upper] of the IQM (0), mean (1)
+        iqm, mean = (with_interval(agg.points[m][k], agg.intervals[m][:, k], runs) for k in (0, 1))
+        now = "-" if released_now.get(m) is None else f"{released_now[m].mean():.3f}"
+        final = "-"
+        if m in final_points:
+            final = with_interval(final_points[m][1], final_intervals[m][:, 1], released_final[m].shape[0])
+        matrix = f"{agg.seeds[m]} x {agg.scores[m].shape[1]}"
+        lines.append(f"| {m} | {matrix} | {episode_counts(agg.counts[m])} | {iqm} | {mean} | {now} | {final} |")
+    return lines + [line for why in agg.left_out for line in ("", why)]
+
+
+def ranking(agg) -> list:
+    """Why there is no interval or no ranking (too few seeds, runs too short), or the methods ranked by the mean."""
+    few = [f"{m} has {count(n, 'seed')}" for m, n in agg.seeds.items() if n < MIN_SEEDS]
+    shorts = [f"{m}: {agg.short[m]} of {len(agg.counts[m])} runs" for m in agg.scores if agg.short[m]]
+    lines = []
+    if few:
         lines += ["", f"No interval where a method has fewer than {MIN_SEEDS} seeds in every game ({', '.join(few)})."]
-    if shorts := [f"{m}: {short[m]} of {len(counts[m])} runs" for m in score_dict if short[m]]:
-        lines += [
-            "",
-            f"No interval where a run had ended fewer than {WINDOW} episodes by {step:,} env steps "
-            f"({'; '.join(shorts)}).",
-        ]
     if shorts:
         lines += [
             "",
-            f"Ranking: none, the runs are too short: fewer than {WINDOW} episodes a run by {step:,} env steps.",
+            f"No interval where a run had ended fewer than {WINDOW} episodes by {agg.step:,} env steps "
+            f"({'; '.join(shorts)}).",
+            "",
+            f"Ranking: none, the runs are too short: fewer than {WINDOW} episodes a run by {agg.step:,} env steps.",
         ]
     elif few:
         lines += ["", f"Ranking: none, too few seeds: {', '.join(few)} in every game (an interval needs {MIN_SEEDS})."]
-    elif len(score_dict) > 1:
-        order = sorted(score_dict, key=lambda m: -points[m][1])
-        ranking = order[0]
+    elif len(agg.scores) > 1:
+        order = sorted(agg.scores, key=lambda m: -agg.points[m][1])
+        ranks = order[0]
         for above, below in zip(order, order[1:]):  # neighbours apart where their intervals do not overlap
-            ranking += f" {'>' if intervals[above][0][1] > intervals[below][1][1] else '~'} {below}"
-        lines += [
-            "",
-            f"Ranking by the mean (~: their 95% intervals overlap, so these runs do not order them): {ranking}",
-        ]
+            ranks += f" {'>' if agg.intervals[above][0][1] > agg.intervals[below][1][1] else '~'} {below}"
+        lines += ["", f"Ranking by the mean (~: their 95% intervals overlap, so these runs do not order them): {ranks}"]
+    return lines
+
+
+def early_rows_notes(released_steps: list) -> list:
+    """Where a released figure was read before the CSVs' first row, or from the rows the released graph.py drops."""
+    lines = []
     if any(s < STEPS_PER_RELEASED_ROW for s in released_steps):
         lines += ["", f"(No released figure below {STEPS_PER_RELEASED_ROW:,} env steps: the CSVs' first row is there.)"]
     if any(STEPS_PER_RELEASED_ROW <= s < (FIRST_VALID + 1) * STEPS_PER_RELEASED_ROW for s in released_steps):
@@ -612,20 +576,27 @@ def main() -> None:
             f"(Released figures below {(FIRST_VALID + 1) * STEPS_PER_RELEASED_ROW:,} env steps come from the CSVs' "
             f"first {FIRST_VALID} rows, which the released graph.py drops: their episode buffers were still filling.)",
         ]
-    x, y = opts.compare
-    if x in score_dict and y in score_dict:
-        if short[x] or short[y]:
-            lines += ["", f"P({x} > {y}) needs longer runs: at least {WINDOW} episodes a run by the step."]
-        elif min(seeds[x], seeds[y]) < MIN_SEEDS:
-            lines += ["", f"P({x} > {y}) needs more seeds: at least {MIN_SEEDS} of each method in every game."]
-        elif score_dict[x].shape != score_dict[y].shape:
-            lines += ["", f"P({x} > {y}) needs the same seeds x games of both ({seeds[x]} and {seeds[y]} seeds)."]
-        else:
-            p, (lo, hi) = probability_of_improvement(score_dict[x], score_dict[y], opts.reps)
-            lines += ["", f"P({x} > {y}) = {p:.3f} [95% CI {lo:.3f}, {hi:.3f}] (rliable's probability of improvement)"]
+    return lines
 
-    # 3. The figure
-    grid = np.unique(np.linspace(0, step, opts.points + 1)[1:].astype(int))
+
+def comparison(x: str, y: str, agg, reps: int) -> list:
+    """rliable's P(X > Y) where both methods have the runs for it, else what it needs."""
+    if x not in agg.scores or y not in agg.scores:
+        return []
+    if agg.short[x] or agg.short[y]:
+        return ["", f"P({x} > {y}) needs longer runs: at least {WINDOW} episodes a run by the step."]
+    if min(agg.seeds[x], agg.seeds[y]) < MIN_SEEDS:
+        return ["", f"P({x} > {y}) needs more seeds: at least {MIN_SEEDS} of each method in every game."]
+    if agg.scores[x].shape != agg.scores[y].shape:
+        return ["", f"P({x} > {y}) needs the same seeds x games of both ({agg.seeds[x]} and {agg.seeds[y]} seeds)."]
+    p, (lo, hi) = probability_of_improvement(agg.scores[x], agg.scores[y], reps)
+    return ["", f"P({x} > {y}) = {p:.3f} [95% CI {lo:.3f}, {hi:.3f}] (rliable's probability of improvement)"]
+
+
+def our_curves(opts, runs: list, games: list, methods: list, agg) -> dict:
+    """3. What the figure draws of ours, at opts.points steps up to agg.step: {method: {"games": {game: (steps,
+    means)}, "aggregate": (steps, values, lows, highs) or None}} (see draw)."""
+    grid = np.unique(np.linspace(0, agg.step, opts.points + 1)[1:].astype(int))
     which = 0 if opts.metric == "iqm" else 1
     ours = {}
     for m in methods:
@@ -637,7 +608,7 @@ def main() -> None:
             if keep.any():
                 per_game[game] = (grid[keep] / 1e6, means[:, keep].mean(axis=0))
         ours[m] = dict(games=per_game, aggregate=None)
-        if m not in score_dict:
+        if m not in agg.scores:
             continue
         curve = {int(s): score_matrix(runs, m, games, s) for s in grid}
         curve = {s: v for s, v in curve.items() if not np.isnan(v).any()}  # steps where every run had an episode
@@ -647,19 +618,48 @@ def main() -> None:
         xs = np.array(sorted(curve))
         ys = np.array([points[str(s)][which] for s in xs])
         lo, hi = (np.array([intervals[str(s)][k][which] for s in xs]) for k in (0, 1))
-        ours[m]["aggregate"] = (xs / 1e6, ys, lo if banded[m] else None, hi if banded[m] else None)
-    bands = [m for m in score_dict if banded[m]]
-    title = f"{opts.folder.name}: {count(len(games), 'game')}, {seeds_a_method(seeds)}"
-    if shorts:
-        title += f"\ntoo short to rank: fewer than {WINDOW} episodes a run by {step:,} env steps"
-    if bands and len(bands) == len(ours):
-        title += "\nbands: 95% stratified-bootstrap CIs"
-    elif bands:
-        title += f"\nbands ({', '.join(bands)} only): 95% stratified-bootstrap CIs"
+        ours[m]["aggregate"] = (xs / 1e6, ys, lo if agg.banded[m] else None, hi if agg.banded[m] else None)
+    return ours
+
+
+def figure_title(opts, games: list, ours: dict, agg, beside: list) -> str:
+    """The aggregate panel's title: the folder, the games and seeds, and what the bands and dashed lines are."""
+    title = f"{opts.folder.name}: {count(len(games), 'game')}, {seeds_a_method(agg.seeds)}"
+    if any(agg.short.values()):
+        title += f"\ntoo short to rank: fewer than {WINDOW} episodes a run by {agg.step:,} env steps"
+    if bands := [m for m in agg.scores if agg.banded[m]]:
+        only = "" if len(bands) == len(ours) else f" ({', '.join(bands)} only)"
+        title += f"\nbands{only}: 95% stratified-bootstrap CIs"
     if beside:
         title += f"\ndashed: released, first {FIRST_VALID} rows dropped, smoothed {SMOOTHING}"
+    return title
+
+
+def main() -> None:
+    opts = parse_options()
+    results, missing = released_results(opts.released)
+    if opts.released_only:
+        if results is None:
+            fix = f"{CLONE_COMMAND}, with $PPG_RELEASED_CODE unset; or --released DIR"
+            sys.exit(f"error: --released-only: {missing} (to add it: {fix})")
+        return released_only(opts, results)
+    runs, games, methods, mode = read_sweep(opts)
+    # a method's released figures stand beside it only where each of its runs is the released run of its variant
+    differences = {
+        m: sorted({d for r in runs if r["method"] == m for d in differences_from_released(r)}) for m in methods
+    }
+    beside = [m for m in methods if results is not None and not differences[m]]
+    lines = heading(opts, runs, games, methods, mode)
+    table, released_steps = per_game_table(runs, games, methods, results, beside)
+    lines += table + released_column_notes(methods, differences, missing)
+    agg = aggregate(runs, games, methods, opts.reps)
+    lines += aggregate_table(agg, games, mode, results, beside, opts.reps) + ranking(agg)
+    released_steps += [agg.step] if any(m in beside for m in agg.scores) else []
+    lines += early_rows_notes(released_steps) + comparison(*opts.compare, agg, opts.reps)
+    ours = our_curves(opts, runs, games, methods, agg)
     stem = pathlib.Path(opts.out) if opts.out else opts.folder / "report"
-    draw(f"{stem}.png", title, games, methods, ours, results, beside, which, max(r["last"] for r in runs), mode)
+    title, end = figure_title(opts, games, ours, agg, beside), max(r["last"] for r in runs)
+    draw(f"{stem}.png", title, games, methods, ours, results, beside, 0 if opts.metric == "iqm" else 1, end, mode)
     lines += ["", f"![per-game returns and the aggregate normalised score against env steps]({stem.name}.png)"]
     pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
