@@ -67,9 +67,21 @@ def job_id(folder: pathlib.Path) -> str:
 
 
 def queued(name: str) -> dict:
-    """job id -> (state, reason) of a sweep's jobs that SLURM still holds."""
-    out = slurm("squeue", "--noheader", "--array", "--name", f"ppg-{name}", "--format", "%i %T %r")
-    return {job: (state, reason) for job, state, reason in (line.split(maxsplit=2) for line in out.splitlines())}
+    """job id (4242_0) -> (SLURM's own number of the job, its state, the reason it waits) of a sweep's jobs that SLURM
+    still holds."""
+    out = slurm("squeue", "--noheader", "--array", "--name", f"ppg-{name}", "--format", "%i %A %T %r")
+    return {
+        job: (number, state, reason) for job, number, state, reason in (x.split(maxsplit=3) for x in out.splitlines())
+    }
+
+
+def steps_alive(number: str) -> bool:
+    """Whether a process of the job's last start is still there (slurmstepd names each: "slurmstepd: [24.batch]")."""
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (proc / "cmdline").read_text().startswith(f"slurmstepd: [{number}."):
+                return True
+    return False
 
 
 def starts(folder: pathlib.Path) -> list:
@@ -179,10 +191,13 @@ def slurm_runs(request, tmp_path_factory):
                 if what not in done and when():
                     do()
                     done.add(what)
-            for job_name, (state, reason) in queued(names["scenarios"]).items():
-                if state != "PENDING" or reason != "BeginTime":
+            for job_name, (number, state, reason) in queued(names["scenarios"]).items():
+                # a requeued job, once its last start has gone: one started again while its last start's batch script
+                # still ends would be ended with it (a requeue from within the job, as submitit's, lists it as
+                # waiting before that)
+                if state != "PENDING" or reason != "BeginTime" or steps_alive(number):
                     continue
-                # a requeued job: first, once, --status while it waits (in the background: the runs go on)
+                # first, once, --status while it waits (in the background: the runs go on)
                 waiting = waiting or subprocess.Popen(
                     [*command, *argv["scenarios"], "--status", "--", *FLAGS], stdout=subprocess.PIPE, text=True
                 )

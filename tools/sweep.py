@@ -450,8 +450,9 @@ def last_start(folder: pathlib.Path):
 
 def run_status(folder: pathlib.Path, total: int, slurm):
     """(what the run is, the env step it reached, what more to say): done, running or queued (its scheduler's state),
-    failed (the last line its script wrote), not started; or unknown where a SLURM job was submitted for it and no
-    squeue answers here. The step: its last start's last progress line, or its checkpoint's step where that is later."""
+    failed (the last line its script wrote), not started, to resume (its last start ended well, before a budget raised
+    since); or unknown where a SLURM job was submitted for it and no squeue answers here. The step: its last start's
+    last progress line, or its checkpoint's step where that is later."""
     _, state = last_checkpoint(folder)
     saved, start, job = (state["global_step"] if state else 0), last_start(folder), job_state(folder, slurm)
     reached = max(saved, start[0] if start else 0)
@@ -464,6 +465,8 @@ def run_status(folder: pathlib.Path, total: int, slurm):
     if start is None:
         submitted = (folder / JOB_FILE).exists()  # a job that failed before the script started: submitit's log says why
         return "not started", step, " (submitted; no start logged: see the sweep's .submitit/ logs)" * submitted
+    if start[2] == "0":  # it ended well short of these steps: the budget was raised since
+        return "to resume", step, ""
     how = f"exit {start[2]}" if start[2] is not None else "killed (no exit logged)"
     return "failed", step, f"; {how}: {start[1]}"
 
