@@ -4,8 +4,9 @@ runs first). Without one, these tests skip and the suite's last lines say how to
 One sweep of four tiny Procgen runs is submitted as one job array, on a CPU partition (--gpus-per-job 0), and each
 run meets one way a job stops, all at once (a requeued job waits about 2 minutes before SLURM starts it again, so
 they must overlap; the test starts a requeued job at once instead, with `scontrol update StartTime=now`):
-- seed 1 reaches its time limit: after its first checkpoint the job's limit is lowered to 2 minutes, so that SLURM
-  sends the warning signal (USR2, --signal-delay-s before the limit) at its next check; submitit requeues the job.
+- seed 1 reaches its time limit: after its first checkpoint the job's limit is lowered to 3 minutes past the minutes
+  it has run, so that SLURM sends its warning signal (USR2, --signal-delay-s before the limit) at its next check, and
+  submitit requeues the job.
   The training process is paused (SIGSTOP) from its first checkpoint until the signal has come: a fast machine would
   otherwise end the tiny run before it;
 - seed 2 is preempted by `scontrol requeue` (SIGTERM to every process of the job) after its first checkpoint;
@@ -140,7 +141,7 @@ def slurm_runs(request, tmp_path_factory):
     began, root, tag = time.time(), tmp_path_factory.mktemp("slurm") / "runs", os.getpid()
     names = dict(scenarios=f"scenarios-{tag}", unbroken=f"unbroken-{tag}")  # SLURM's job names: ppg-<name>
     common = ["--games", "dodgeball", "--methods", "ppg", "--cluster", "slurm", "--gpus-per-job", "0"]
-    common += ["--cpus-per-job", "1", "--time-min", "30"]
+    common += ["--cpus-per-job", "1", "--time-min", "30", "--signal-delay-s", "150"]
     argv = dict(
         scenarios=["--name", names["scenarios"], *common, "--seeds", *map(str, SEEDS.values())],
         unbroken=["--name", names["unbroken"], *common, "--seeds", "1", "2"],
@@ -161,9 +162,9 @@ def slurm_runs(request, tmp_path_factory):
         os.kill(paused[0], signal.SIGSTOP)
         elapsed = slurm("squeue", "--noheader", "--jobs", job[1], "--format", "%M").strip()  # [h:]m:ss
         minutes = int(elapsed.split(":")[-2])
-        # 2 minutes past the elapsed ones: the limit is at least a minute away, and within --signal-delay-s (120 s)
-        # plus SLURM's 30 s between checks, so that SLURM sends the warning signal at its next check
-        slurm("scontrol", "update", f"JobId={job[1]}", f"TimeLimit={minutes + 2}")
+        # 3 minutes past the whole minutes it has run: the limit is over 2 minutes away, and within --signal-delay-s
+        # (150 s) plus SLURM's 30 s between checks, so that SLURM sends the warning signal at its next check
+        slurm("scontrol", "update", f"JobId={job[1]}", f"TimeLimit={minutes + 3}")
 
     def signal_came() -> bool:  # submitit's log in the job says so
         logs = (root / names["scenarios"] / ".submitit").glob(f"{job[1]}_*_log.err")
@@ -244,7 +245,7 @@ def test_the_sweep_submits_one_array_that_asks_for_no_gpu(slurm_runs):
     (job,) = {name.split("_")[0] for name in slurm_runs.job.values()}
     assert f"submitted 4 jobs: {job}_0, {job}_1, {job}_2, {job}_3" in slurm_runs.printed["scenarios"]
     script = (slurm_runs.root / slurm_runs.names["scenarios"] / ".submitit" / f"{job}_submission.sh").read_text()
-    for line in ["--array=0-3", "--cpus-per-task=1", "--time=30", "--signal=USR2@120", "--job-name=ppg-scenarios-"]:
+    for line in ["--array=0-3", "--cpus-per-task=1", "--time=30", "--signal=USR2@150", "--job-name=ppg-scenarios-"]:
         assert f"#SBATCH {line}" in script, line
     assert "gpu" not in script.lower() and "gres" not in script  # a CPU partition: no GPU asked for
 

@@ -22,8 +22,9 @@ if ! munge -n >/dev/null 2>&1; then
 fi
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
 sed -e "s/@HOST@/$(hostname -s)/g" -e "s/@CPUS@/$(nproc)/g" "$here/slurm.conf" >/etc/slurm/slurm.conf
-slurmctld  # each daemonises; slurmd logs PMIx errors at start, which are harmless here (no MPI)
-slurmd
+# Each daemonises, where it is not running already; slurmd logs PMIx errors at start, harmless here (no MPI)
+pidof slurmctld >/dev/null || slurmctld
+pidof slurmd >/dev/null || slurmd
 for _ in $(seq 60); do  # the node registers within seconds
     if sinfo --noheader --states=idle 2>/dev/null | grep -q .; then sinfo; exit 0; fi
     sleep 1
