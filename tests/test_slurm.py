@@ -297,6 +297,17 @@ def test_the_runs_unbroken_end_right(slurm_runs):
         assert_ends_right(run)
 
 
+def test_without_a_scheduler_the_tests_skip_saying_how_to_start_one():
+    """Where no SLURM answers (here: none on PATH), the test command's last lines say that these tests skipped and the
+    command that starts a scheduler."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_slurm.py", "-k", "not skip"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable))
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and re.match(r"\d+ skipped, 1 deselected in ", lines[-1]), done.stdout[-2000:]
+    assert f"SLURM: the tests of tests/test_slurm.py skipped: {SKIP_LINE}" in lines, done.stdout[-2000:]
+
+
 def tensors(state) -> dict:
     """Every tensor of a nested state dict, by its path."""
     if isinstance(state, torch.Tensor):
