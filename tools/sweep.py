@@ -373,15 +373,23 @@ class TrainRun(submitit.helpers.Checkpointable):
             log.flush()
             # SLURM's warning signal (USR2) reaches every process of the job: the training process ignores it and is
             # stopped by checkpoint() below, with SIGTERM, which it handles (it closes its log and says how to resume)
-            ignore_usr2 = lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # noqa: E731
             self.process = subprocess.Popen(
-                command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=ignore_usr2
+                command,
+                cwd=folder,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN),
             )
             try:
                 while self.process.poll() is None:  # polled, not wait(): the signal handler may stop it meanwhile
                     time.sleep(0.2)
-            finally:  # also where submitit's signal handler ends this start from within the loop, to requeue it
-                log.write(f"# end {time.time():.3f} exit {self.process.poll()}\n")
+            finally:  # also where a signal ends this start from within the loop: submitit's handler, to requeue it
+                # (its checkpoint() has stopped the script), or Ctrl-C, which reached the script too: it ends at once
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=30)
+                if self.process.returncode is not None:
+                    log.write(f"# end {time.time():.3f} exit {self.process.returncode}\n")
         if self.process.returncode:
             raise RuntimeError(f"{folder.name}: the script exited with {self.process.returncode} (see its train.log)")
         return f"{folder.name}: trained to step {total:,}"  # the script exits with 0 only at its planned step
