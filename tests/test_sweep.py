@@ -576,3 +576,61 @@ def test_a_failed_job_is_one_line_and_the_queue_goes_on(tmp_path, capsys, monkey
         == "failed run1: RuntimeError: run1: the script exited with 1 (see its train.log); run the command again to resume"
     )
     assert out[5] == "run2: trained"
+
+
+def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path, capsys, monkeypatch):
+    """--status, without a scheduler: the shared grid's runs are done (and nothing is written); from a run's train.log
+    and the job written down for it, a run is failed (its last start's exit and last line, and the env step it
+    reached), running (a local job whose process lives; a SLURM job that squeue lists as running), queued (a SLURM job
+    waiting, with its reason), unknown (a SLURM job where no squeue answers), not started, or to resume (a budget raised
+    after its last start ended well). tests/test_slurm.py reads it off a real scheduler."""
+    tool = load_sweep()
+    before = {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()}
+    monkeypatch.setitem(sys.modules, "ppg_procgen", sys.modules.get("ppg_procgen"))  # sweep.py loads its own
+    tool.main(["--root", str(sweep_grid.root), *sweep_grid.argv, "--status", "--", *SWEEP_TINY])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "4 runs: 4 done" and all(
+        re.match(r"done +dodgeball__pp[go]__\d: step 192 of 192$", x) for x in lines[:4]
+    )
+    assert {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()} == before
+    progress = "phase 1/3 iter 1/3 step 64 SPS 10 ETA 3s return - (none ended yet) policy_loss 0.1 value_loss 0.2"
+    log = f"\n# start 1.0\n$ python ppg_procgen.py\n{progress}\nerror: non-finite loss\n"
+    cases = [  # (train.log, the job written down, what squeue says, what --status says)
+        (log + "# end 2.0 exit 1\n", None, None, ("failed", "step 64 of 192", "; exit 1: error: non-finite loss")),
+        (log, None, None, ("failed", "step 64 of 192", "; killed (no exit logged): error: non-finite loss")),
+        (log, f"local {os.getpid()}", None, ("running", "step 64 of 192", f"; local job {os.getpid()}")),
+        (log, "slurm 9_1", {"9_1": ("RUNNING", "None")}, ("running", "step 64 of 192", "; job 9_1 RUNNING")),
+        (
+            log,
+            "slurm 9_1",
+            {"9_1": ("PENDING", "BeginTime")},
+            ("queued", "step 64 of 192", "; job 9_1 PENDING, BeginTime"),
+        ),
+        (
+            log + "# end 2.0 exit 143\n",
+            "slurm 9_1",
+            {},
+            ("failed", "step 64 of 192", "; exit 143: error: non-finite loss"),
+        ),
+        (
+            log,
+            "slurm 9_1",
+            None,
+            (
+                "unknown",
+                "step 64 of 192",
+                "; job 9_1: no squeue answers here, for SLURM's state; its log's last line: error: non-finite loss",
+            ),
+        ),
+        (None, None, None, ("not started", "step 0 of 192", "")),
+    ]
+    for i, (text, job, squeue, expected) in enumerate(cases):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        if text is not None:
+            (folder / "train.log").write_text(text)
+        if job is not None:
+            (folder / "job_id").write_text(job)
+        assert tool.run_status(folder, 192, squeue) == expected, i
+    done = sweep_grid.folder / "dodgeball__ppg__1"  # its checkpoint at 192, the budget raised to 256
+    assert tool.run_status(done, 256, None) == ("to resume", "step 192 of 256", "")
