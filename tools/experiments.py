@@ -25,6 +25,9 @@ def experiment(variants: dict, seeds: tuple, released: dict) -> dict:
     return dict(variants=variants, seeds=seeds, released=released)
 
 
+# The released seven only (tests/test_sweep.py checks them against the released README; tools/report.py reads their
+# released runs). A method of your own over the same games and seeds needs no entry here: tools/sweep.py --games all
+# --seeds 1 2 3 --method NAME="FLAGS" --methods NAME -- <PAPER_PROTOCOL's flags> (docs/sweeps.md).
 EXPERIMENTS = {
     "ppg": experiment({"ppg": ""}, THREE_SEEDS, {"ppg": ["ppg-run0", "ppg-run1", "ppg-run2"]}),
     "ppo": experiment(
