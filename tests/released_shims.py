@@ -217,6 +217,30 @@ def parameter_map(agent: nn.Module, impala: bool = True) -> dict:
     return names
 
 
+class Float64Names(types.ModuleType):
+    """A module's view of torch or numpy in which `float32` names float64 and every other name is the module's own: put
+    in place of a module's `th` or `np`, it turns the float32 that module pins into float64 and changes nothing else."""
+
+    def __init__(self, module: types.ModuleType, float64):
+        super().__init__(module.__name__)
+        self._module, self.float32 = module, float64
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def released_in_float64(patch) -> None:
+    """The released code in float64, with `patch` (a pytest MonkeyPatch): every one of its modules that imports torch
+    as `th` sees Float64Names(torch), where it pins float32 (the frames, GAE's masks and advantages, the reward
+    normaliser's count and masks, tu.ftensor, np2th's and minibatch_optimize's casts of float64 input). The model is
+    built beforehand and converted with .double() (its NormedLinear refuses float64); torch's default dtype, the
+    rewards' dtype and the model's are the caller's to set."""
+    float64_torch = Float64Names(torch, torch.float64)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("phasic_policy_gradient.") and getattr(module, "th", None) is torch:
+            patch.setattr(module, "th", float64_torch)
+
+
 def copy_weights(agent: nn.Module, model: nn.Module, names: dict) -> None:
     """The released model takes our agent's weights, every one of its parameters exactly once (strict)."""
     ours = agent.state_dict()
