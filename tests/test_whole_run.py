@@ -41,19 +41,20 @@ in other orders) stays near 1e-16 an operation, with nothing to amplify it into 
 seed 1, run in float32 (without these patches), met 2 near ties, its CDFs 0.026 apart at a draw and its policy network's
 parameters 3.5e-3 apart at the end; in float64 none, 1.7e-11 and 3.9e-10.
 
-Measured with tools/whole_run_bounds.py (below), seeds 1 to 10 a configuration, each a process of its own with 1
-thread, on 2 cores of an AMD EPYC with AVX2 only (torch 2.13 CPU, 2026-12-07, load average 9 to 20 from other work on
-the 2 cores): AVX2 kernels only; the float64 configurations have not been run with AVX-512 kernels. The worst of each
-figure over the 10 runs, under it the bound (no near tie was met, so the farthest a near tie may lie, the later CDF
-bound, is not shown):
+Measured with tools/whole_run_bounds.py (below), seeds 1 to 10 a configuration and seed 1 in 4 more processes, each run
+a process of its own with 1 thread, on 2 cores of an AMD EPYC with AVX2 only (torch 2.13 CPU, 2026-12-07, load average 5
+to 20 from other work on the 2 cores): AVX2 kernels only; the float64 configurations have not been run with AVX-512
+kernels. Seed 1's figures were the same in all 5 processes for ppo64 and detachkl64; dual64's took one of two roundings
+(CDFs 1.7e-11 or 1.9e-11 apart, the policy network 3.9e-10 or 4.8e-10). The worst of each figure over the 14 runs, under
+it the bound (no near tie was met, so the farthest a near tie may lie, the later CDF bound, is not shown):
 
                        near     CDFs apart at a draw   final parameters apart: largest / rms    CPU s
   configuration (runs) ties   phase 1     later   policy network        value network        a run
-  dual64 (10)          0         0   3.4e-10   5.4e-10 / 2.8e-12   5.4e-14 / 8.0e-17   15-18
+  dual64 (14)          0         0   3.4e-10   5.4e-10 / 2.8e-12   5.4e-14 / 8.0e-17   13-18
                        0   1.0e-10   3.4e-08   5.5e-08 / 2.9e-10   1.0e-10 / 1.0e-10
-  ppo64 (10)           0         0   8.9e-16   8.9e-14 / 1.4e-16   9.2e-17 / 6.0e-18   9-10
+  ppo64 (14)           0         0   8.9e-16   8.9e-14 / 1.4e-16   9.2e-17 / 6.0e-18   8-10
                        0   1.0e-10   1.0e-10   1.0e-10 / 1.0e-10   1.0e-10 / 1.0e-10
-  detachkl64 (10)      0   5.6e-16   6.1e-11   2.2e-09 / 4.7e-12   3.4e-12 / 5.9e-13   11-13
+  detachkl64 (14)      0   5.6e-16   6.1e-11   2.2e-09 / 4.7e-12   3.4e-12 / 5.9e-13   10-13
                        0   1.0e-10   6.1e-09   2.3e-07 / 4.8e-10   3.5e-10 / 1.0e-10
 
 No near tie is allowed (delta: the later CDF bound), and every figure's bound is 100 times its worst measured, and at
@@ -136,8 +137,8 @@ least 10 times in every one of 5 processes (mistakes.jsonl, test_bounds_come_fro
 Run with -rP to see each run's near ties, its closest agreeing draw to a boundary, the largest differences of the two
 CDFs and the final parameter differences.
 
-The CI cases' CPU time at 1 thread, both codes' runs of a case (cpu_s of the runs above, load average 9 to 20 from other
-work on the 2 cores): dual64 16 to 18 s, detachkl64 11 to 13 s, ppo64 9 to 10 s, ppo (float32) 7 to 9 s (2026-12-06);
+The CI cases' CPU time at 1 thread, both codes' runs of a case (cpu_s of the runs above, load average 5 to 20 from other
+work on the 2 cores): dual64 13 to 18 s, detachkl64 10 to 13 s, ppo64 8 to 10 s, ppo (float32) 7 to 12 s (2026-12-06);
 one pytest process of this file (its 4 CI cases and 2 checks of the bounds) took 39.7 and 40.0 s user and 3.1 and 2.5 s
 system time in two tries, at load average 8 to 20, about what the three float32 CI cases before them took (43 s).
 Float64's convolutions have no oneDNN kernel: the dual64 configuration at seed 1 took 8.6 s in float32 and 16 s in
