@@ -140,11 +140,12 @@ CDFs and the final parameter differences.
 The CI cases' cost at 1 thread, on this AVX2-only machine: one pytest process of this file (its 4 CI cases and 2 checks
 of the bounds) took 31.4 and 33.5 s user and 2.2 s system time, 35.4 and 37.5 s wall, in two tries at load average 4 to
 5, each case's call dual64 9.7 to 10.9 s, ppo (float32) 9.8 to 10.8 s, detachkl64 6.4 to 6.8 s and ppo64 4.6 to 4.9 s;
-at load average 8 to 20 it took 40 s user. (The three float32 CI cases they replace took 42 to 44 s user on the AVX-512
-machine, 2026-12-06.) Float64's convolutions have no oneDNN kernel: the dual64 configuration at seed 1 took 8.6 s of CPU
-time in float32 and 16 s in float64 (load average about 9); at 2 envs x 32 steps with N_pi 2 (a larger version of it) 25
-s and 130 s, as float64's cost a state grows with the batch (the IMPALA trunk's forward and backward pass at 1 thread:
-float32 6 to 7 ms a state at batches of 2 to 64, float64 14 ms at 2 and 23 ms at 64; load average about 6)."""
+at load average 8 to 20 it took 40 s user. (The three float32 CI cases before them, dual, ppo and ppgkl, took 42 to 44 s
+user on the AVX-512 machine, 2026-12-06.) Float64's convolutions have no oneDNN kernel: the dual64 configuration at seed
+1 took 6.5 s of CPU time in float32 and 13.4 s in float64 (both codes' runs, load average 3.5; at load average 9, 8.6
+and 16 s); at 2 envs x 32 steps with N_pi 2 (a larger version of it) 25 s and 130 s, as float64's cost a state grows
+with the batch (the IMPALA trunk's forward and backward pass at 1 thread: float32 6 to 7 ms a state at batches of 2 to
+64, float64 14 ms at 2 and 23 ms at 64; load average about 6)."""
 
 import contextlib
 import importlib.util
