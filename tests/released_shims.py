@@ -1,7 +1,7 @@
-"""What tests/test_released_code.py needs to run the authors' released code (openai/phasic-policy-gradient) in this
-process: where it is, a single-process stand-in for mpi4py to import it with, its model built as its train.py builds
-it (or around one of our trunks), the map from our PPGAgent's parameters to its PhasicValueModel's, and an optimizer
-that records each step's gradients. Nothing of the released code is copied here: it is imported from its own folder."""
+"""What tests/test_released_code.py and tests/test_whole_run.py need to run the authors' released code
+(openai/phasic-policy-gradient) in this process: where it is, a single-process stand-in for mpi4py to import it with,
+its model built as its train.py builds it (or around one of our trunks), the map from our PPGAgent's parameters to its
+PhasicValueModel's, an optimizer that records each step's gradients, and the released code run in float64. Nothing of the released code is copied here: it is imported from its own folder."""
 
 import contextlib
 import math
@@ -215,6 +215,30 @@ def parameter_map(agent: nn.Module, impala: bool = True) -> dict:
     for ours, theirs in _trunks(agent.arch):
         names.update({f"{ours}.{n}": f"{theirs}.trunk.{n}" for n, _ in getattr(agent, ours).named_parameters()})
     return names
+
+
+class Float64Names(types.ModuleType):
+    """A module's view of torch or numpy in which `float32` names float64 and every other name is the module's own: put
+    in place of a module's `th` or `np`, it turns the float32 that module pins into float64 and changes nothing else."""
+
+    def __init__(self, module: types.ModuleType, float64):
+        super().__init__(module.__name__)
+        self._module, self.float32 = module, float64
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def released_in_float64(patch) -> None:
+    """The released code in float64, with `patch` (a pytest MonkeyPatch): every one of its modules that imports torch
+    as `th` sees Float64Names(torch), where it pins float32 (the frames, GAE's masks and advantages, the reward
+    normaliser's count and masks, tu.ftensor, np2th's and minibatch_optimize's casts of float64 input). The model is
+    built beforehand and converted with .double() (its NormedLinear refuses float64); torch's default dtype, the
+    rewards' dtype and the model's are the caller's to set."""
+    float64_torch = Float64Names(torch, torch.float64)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("phasic_policy_gradient.") and getattr(module, "th", None) is torch:
+            patch.setattr(module, "th", float64_torch)
 
 
 def copy_weights(agent: nn.Module, model: nn.Module, names: dict) -> None:

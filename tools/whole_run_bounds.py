@@ -3,22 +3,25 @@ released code (as the test runs them, with every bound lifted), each in a proces
 differs between processes.
 
     python tools/whole_run_bounds.py                                   # the CI configurations, seeds 1 to 10
-    python tools/whole_run_bounds.py --configs dual --seeds 1 --repeats 10         # one seed in 10 processes
-    python tools/whole_run_bounds.py --configs detach shared e_pi1_e_v2 minibatches2   # the slow ones
-    PPG_SCRIPT=/tmp/scratch/ppg_procgen.py python tools/whole_run_bounds.py        # a scratch copy with a mistake
+    python tools/whole_run_bounds.py --configs ppo --seeds 1 --repeats 10          # one seed in 10 processes
+    python tools/whole_run_bounds.py --configs dual ppgkl detach shared e_pi1_e_v2 minibatches2   # the slow ones
+    PPG_SCRIPT=/tmp/scratch/kl_sign/ppg_procgen.py python tools/whole_run_bounds.py --configs detachkl64 --seeds 1 \
+        --repeats 5                                                    # a scratch copy with a mistake, 5 processes
     python tools/whole_run_bounds.py --summarise runs.jsonl            # the worsts of runs kept with --jsonl runs.jsonl
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python tools/whole_run_bounds.py
-                                                  # AVX2 kernels: an AVX2-only machine's rounding, on this one
+                                                  # AVX2 kernels: an AVX2-only machine's rounding, on an AVX-512 one
 
 One line a run: its near ties (draws where the two codes' actions differ) and the farthest one's distance, the largest
 difference of the two CDFs at a draw of phase 1 (before any aux phase) and later, each network's largest final parameter
-difference and root mean square, the CPU seconds and the kernels' instruction set (`cpu`), and which of the test's
-BOUNDS it breaks. Then, per configuration, the worst of each figure and the bounds --margin times those worsts would
-give (rounded up to 2 significant digits; at least 2 near ties, as a configuration that met none can still meet one;
-with no near tie measured, the farthest a tie may lie is the later CDF bound, which a near tie's distance cannot
-exceed). --jsonl keeps every run's figures; --summarise prints the worsts and bounds of the runs such files kept, of the
-real script and of each scratch copy apart. Needs what the test needs: the released code at $PPG_RELEASED_CODE or
-../shared/reference/phasic-policy-gradient. One thread a run, one run at a time."""
+difference and root mean square, the CPU seconds and the kernels' instruction set (`cpu`), its largest figure / bound
+against the test's BOUNDS, and which of them it breaks. Then, per configuration, the worst of each figure and the bounds
+the test's RULES (or --margin) give from those worsts: float32 3 times and float64 100 times the worst, rounded up to 2
+significant digits, float64 at least 1e-10; float32 at least 2 near ties, as a configuration that met none can still
+meet one, float64 none; with no near tie measured, the farthest a tie may lie is the later CDF bound, which a near
+tie's distance cannot exceed; and the least and most of the runs' largest figure / bound (a mistake is caught by 10x
+where the least is 10 or more). --jsonl keeps every run's figures; --summarise prints these of the runs such files
+kept, of the real script and of each scratch copy apart. Needs what the test needs: the released code at
+$PPG_RELEASED_CODE or ../shared/reference/phasic-policy-gradient. One thread a run, one run at a time."""
 
 import argparse
 import json
@@ -67,7 +70,7 @@ def one_run(config: str, seed: int) -> dict:
         farthest=max([distance for _, distance in c.near_ties], default=0.0),
         cdf_first=c.divergence["first"],
         cdf=c.divergence["later"],
-        episodes_agree=r["ours_episodes"] == r["released_episodes"],
+        episodes_agree=w.same_episodes(r["ours_episodes"], r["released_episodes"]),
         episodes=len(r["ours_episodes"]),
         nonzero=r["nonzero"],
         cpu_s=round(time.process_time() - start, 1),
@@ -83,9 +86,16 @@ def broken(figures: dict, bounds) -> list:
     failed = [name for name, limit in test_module().limits(bounds).items() if figures[name] > limit]
     if not figures["episodes_agree"]:
         failed.append("episodes")
-    if figures["episodes"] < 3 or figures["nonzero"] < 5:
+    least_episodes, least_rewards = test_module().FLOORS[figures["config"]]
+    if figures["episodes"] < least_episodes or figures["nonzero"] < least_rewards:
         failed.append("too few episodes or rewards")
     return failed
+
+
+def overshoot(figures: dict, bounds) -> float:
+    """How far a run lies past its bounds: the largest figure / bound (inf where a figure exceeds a bound of 0)."""
+    limits = test_module().limits(bounds)
+    return max(figures[k] / limits[k] if limits[k] else (math.inf if figures[k] else 0.0) for k in limits)
 
 
 def rounded_up(x: float) -> float:
@@ -96,9 +106,10 @@ def rounded_up(x: float) -> float:
     return float(f"{math.ceil(x / step - 1e-9) * step:.2g}")
 
 
-def bounds_from(worst: dict, margin: float) -> dict:
-    bounds = dict(ties=max(math.ceil(margin * worst["ties"]), 2))
-    bounds.update({k: rounded_up(margin * worst[k]) for k in FIGURES if k != "ties"})
+def bounds_from(worst: dict, margin: float, floor: float = 0.0, ties: int = 2) -> dict:
+    """The bounds margin x the worst figures give: rounded up to 2 digits, at least `floor` and `ties` near ties."""
+    bounds = dict(ties=max(math.ceil(margin * worst["ties"]), ties))
+    bounds.update({k: max(rounded_up(margin * worst[k]), floor) for k in FIGURES if k != "ties"})
     if worst["ties"] == 0:
         bounds["farthest"] = bounds["cdf"]
     return bounds
@@ -127,19 +138,34 @@ def read_runs(paths: list, configs: list) -> dict:
     return kept
 
 
-def summarise(runs: dict, margin: float) -> None:
-    """runs: {label: [figures]}; per label, the worst of each figure and the bounds margin x those would give."""
-    print(f"worst of each figure, and bounds {margin:g} x the worst (farthest: a near tie's distance)")
+def rule(config: str, margin=None) -> dict:
+    """How the test's bounds of a configuration follow from its worst figures (RULES), with --margin's if given."""
+    found = dict(test_module().RULES[config])
+    return dict(found, margin=margin) if margin else found
+
+
+def summarise(runs: dict, margin=None) -> None:
+    """runs: {label: [figures]}; per label, the worst of each figure, the bounds the configuration's rule (or margin x
+    the worst) would give, and how far the runs lie from the test's BOUNDS: the largest figure / bound of each run,
+    the least and the most over the runs (a scratch copy's mistake is caught where the least is above 1)."""
+    w = test_module()
+    print("worst of each figure, and the bounds it gives (farthest: a near tie's distance)")
     for label, found in runs.items():
-        worst = worst_of(found)
-        suggested = bounds_from(worst, margin)
+        worst, config = worst_of(found), label.split(" ", 1)[0]
+        how = rule(config, margin)
+        suggested = bounds_from(worst, **how)
+        past = [overshoot(f, w.BOUNDS[config]) for f in found]
         kernels = {}
         for f in found:
             kernels[f.get("cpu", "?")] = kernels.get(f.get("cpu", "?"), 0) + 1
         on = ", ".join(f"{cpu} {n}" for cpu, n in kernels.items())
         print(f"{label} ({len(found)} runs: {on}; at most {max(f['cpu_s'] for f in found):.0f} s CPU a run):")
         print("  worst:  " + " ".join(f"{k} {worst[k]:.2g}" for k in FIGURES))
-        print("  bounds: " + " ".join(f"{k} {suggested[k]:g}" for k in FIGURES))
+        print(
+            f"  bounds ({how['margin']:g} x, at least {how['floor']:g}): "
+            + " ".join(f"{k} {suggested[k]:g}" for k in FIGURES)
+        )
+        print(f"  largest figure / the test's bound, a run: least {min(past):.3g}, most {max(past):.3g}")
 
 
 def main() -> None:
@@ -147,7 +173,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", help="configurations of tests/test_whole_run.py (default: its CI ones)")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(range(1, 11)), help="seeds of each configuration")
     parser.add_argument("--repeats", type=int, default=1, help="processes a seed (rounding differs between them)")
-    parser.add_argument("--margin", type=float, default=3.0, help="bounds suggested: this times the worst measured")
+    parser.add_argument(
+        "--margin", type=float, help="bounds suggested: this times the worst (default: the test's RULES)"
+    )
     parser.add_argument("--jsonl", help="append every run's figures to this file, one JSON line a run")
     parser.add_argument("--summarise", nargs="+", metavar="JSONL", help="run nothing: summarise these --jsonl files")
     parser.add_argument("--one", nargs=2, metavar=("CONFIG", "SEED"), help=argparse.SUPPRESS)  # a child process
@@ -159,7 +187,7 @@ def main() -> None:
     configs = args.configs or list(w.CONFIGS if args.summarise else w.CI)  # what the files hold, or CI's
     if unknown := [c for c in configs if c not in w.CONFIGS]:
         sys.exit(f"error: --configs {' '.join(unknown)}: not in tests/test_whole_run.py ({', '.join(w.CONFIGS)})")
-    if args.repeats < 1 or args.margin <= 0:
+    if args.repeats < 1 or (args.margin is not None and args.margin <= 0):
         sys.exit("error: --repeats must be at least 1 and --margin above 0")
     if args.summarise:
         if missing := [f for f in args.summarise if not os.path.isfile(f)]:
@@ -193,7 +221,9 @@ def main() -> None:
                     f"{figures['cdf_first']:.2g} / {figures['cdf']:.2g} apart (phase 1 / later); parameters policy "
                     f"{figures['policy_max']:.2g} / {figures['policy_rms']:.2g}, value {figures['value_max']:.2g} / "
                     f"{figures['value_rms']:.2g} (max / rms); {figures['episodes']} episodes, {figures['nonzero']} "
-                    f"rewards; {figures['cpu_s']:.0f} s CPU; " + (f"FAILS {', '.join(failed)}" if failed else "passes"),
+                    f"rewards; {figures['cpu_s']:.0f} s CPU; largest figure / bound "
+                    f"{overshoot(figures, w.BOUNDS[config]):.3g}; "
+                    + (f"FAILS {', '.join(failed)}" if failed else "passes"),
                     flush=True,
                 )
     print()
