@@ -140,7 +140,10 @@ def test_a_run_stopped_by_sigterm_before_a_checkpoint_lands_resumes_as_the_run_u
     assert torch.load(run / "checkpoint.pt", weights_only=True)["phase"] == 1
     assert len(scalars(run)["aux/clone_kl"]) == 4  # phases 1 and 2's epochs: on disk when the signal came
     out = finish(start(tmp_path, "--resume", str(run)))
-    assert "stopped by SIGTERM; resume with" in done.stdout and "; exact: every env" in out
+    assert done.stdout.strip().endswith(
+        f"stopped by SIGTERM; resume with: python ppg_procgen.py --resume runs/{run.name}"
+    )
+    assert "Traceback" not in done.stderr and "; exact: every env" in out
     assert_the_unbroken_run(run, unbroken)
 
 
