@@ -1,7 +1,6 @@
 """Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Atari (ale-py, Nature CNN): one file, top to bottom.
-Where each idea lives: flags in `Args`, checked in `make_plan`; networks in `PPGAgent` (outputs by name: `AgentOutput`;
-a new head: `extra_heads`); losses in `policy_phase_loss` (L_clip or L_KL, entropy, L_value) and `aux_phase_loss`
-(L_joint, L_value); B's per-step arrays in `buffer_fields`; targets in `compute_targets`; Algorithm 1 in `main()`."""
+Flags: `Args`, `make_plan`; networks: `PPGAgent` (`AgentOutput`, `extra_heads`); losses: `policy_phase_loss` and
+`aux_phase_loss`; B's per-step arrays: `buffer_fields`; targets: `compute_targets`; Algorithm 1: `main()`."""
 
 import dataclasses
 import math
@@ -59,18 +58,15 @@ class Args:
     kl_penalty: float = 0.0  # weight of L_KL's penalty 0.5 mean(log ratio^2) (the paper: --clip-coef 0 --kl-penalty 1)
     ent_coef: float = 0.01  # entropy bonus coefficient
     max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
-    # `dual`: policy and value networks apart; `detach`: value head on detached features; `shared`: PPO's
-    arch: Literal["dual", "detach", "shared"] = "dual"
+    arch: Literal["dual", "detach", "shared"] = "dual"  # dual: 2 networks; detach: V on detached trunk; shared: PPO
     n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
     e_pi: Annotated[int, tyro.conf.arg(aliases=["--e-policy"])] = 1  # E_pi: policy epochs a rollout
     e_v: int = 1  # E_V: value epochs a rollout (with E_pi == E_V one step trains both losses)
     e_aux: Annotated[int, tyro.conf.arg(aliases=["--e-auxiliary"])] = 6  # E_aux: aux epochs a phase (0: none)
     beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux phase's joint loss
-    # whole --num-steps trajectories per aux minibatch
-    aux_mb_trajectories: Annotated[int, tyro.conf.arg(aliases=["--num-aux-rollouts"])] = 4
+    aux_mb_trajectories: Annotated[int, tyro.conf.arg(aliases=["--num-aux-rollouts"])] = 4  # per aux minibatch
     aux_kl_stop: float = 0.0  # KL guard: end the aux phase after an epoch whose mean KL(pi_old || pi) > this (0: off)
-    # states a forward/backward chunk: the same update, less memory (0: whole minibatches; None: 256 on a CPU)
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None  # states a forward/backward chunk (0: whole minibatches; None: 256 on CPU)
     precision: Literal["fp32", "tf32", "bf16"] = "fp32"  # `tf32`: TF32 on a GPU (a CPU: fp32); `bf16`: trunks in bf16
 
 
@@ -83,11 +79,9 @@ def ale_protocol(env_id: str) -> Tuple[str, float, int, bool]:
 
 def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str, int]:
     """Refuse in one line what tyro takes but a run cannot use; derive its counts (a resume's: from its checkpoint)."""
-    for name, value in vars(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            sys.exit(f"error: --{name.replace('_', '-')} must be a finite number (got {value})")
-    at_least_1, at_least_0 = ("be at least 1", lambda v: v >= 1), ("be >= 0", lambda v: v >= 0)
-    positive, fraction = ("be > 0", lambda v: v > 0), ("lie in [0, 1]", lambda v: 0 <= v <= 1)
+    at_least_1, fraction = ("be at least 1", lambda v: v >= 1), ("be a finite number in [0, 1]", lambda v: 0 <= v <= 1)
+    at_least_0 = ("be a finite number >= 0", lambda v: 0 <= v < math.inf)  # nan and inf fail every rule
+    positive = ("be a finite number > 0", lambda v: 0 < v < math.inf)
     rules = dict(num_envs=at_least_1, num_steps=at_least_1, num_minibatches=at_least_1, n_pi=at_least_1)
     rules.update(e_pi=at_least_1, e_v=at_least_1, total_timesteps=at_least_1, aux_mb_trajectories=at_least_1)
     rules.update(e_aux=at_least_0, micro_batch_size=at_least_0, beta_clone=at_least_0, ent_coef=at_least_0)
@@ -118,8 +112,9 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str
 
 
 class AtariVecEnv:
-    """ale-py's vector env (frame-skip 4, max-pooled, 84x84 gray, 4 stacked): uint8 HWC frames, the TRAINING reward and
-    done (clipped; a lost life counts), and each finished GAME's (env, raw score, length): the number papers report."""
+    """ale-py's (skip 4, max-pool, 84x84 gray, 4 stacked): uint8 HWC frames, training reward and done, GAMEs' scores."""
+
+    RESUME = "not exact: ale-py cannot save its emulators, so each env starts a new game; all else is kept exactly"
 
     def __init__(self, args: Args, num_envs: int, seed: int):
         ale_id, sticky, noop_max, fire_reset = ale_protocol(args.env_id)
@@ -137,6 +132,12 @@ class AtariVecEnv:
         obs, info = self.env.reset(seed=self.seed)  # env i gets seed + i
         self.lives = info["lives"].copy()
         return np.ascontiguousarray(obs.transpose(0, 2, 3, 1))  # (N, stack, H, W) -> (N, H, W, stack)
+
+    def state_dict(self) -> Dict:  # none: ale-py's vector env cannot save its emulators (a resume starts new games)
+        return {}
+
+    def load_state_dict(self, state: Dict) -> None:
+        pass
 
     def step(self, actions: np.ndarray):
         obs, rewards, terminated, truncated, info = self.env.step(actions.astype(np.int64))
@@ -165,23 +166,19 @@ class NatureEncoder(nn.Module):
     def __init__(self, obs_shape: Tuple[int, ...], out_features=512):
         super().__init__()
         h, w, c = obs_shape
-        conv0 = orthogonal_init_(nn.Conv2d(c, 32, 8, stride=4), math.sqrt(2))
-        conv1 = orthogonal_init_(nn.Conv2d(32, 64, 4, stride=2), math.sqrt(2))
-        conv2 = orthogonal_init_(nn.Conv2d(64, 64, 3, stride=1), math.sqrt(2))
-        self.convs = nn.Sequential(conv0, nn.ReLU(), conv1, nn.ReLU(), conv2, nn.ReLU())
+        convs = [(c, 32, 8, 4), (32, 64, 4, 2), (64, 64, 3, 1)]  # (in, out, kernel, stride), each followed by a relu
+        convs = [orthogonal_init_(nn.Conv2d(i, o, k, stride=st), math.sqrt(2)) for i, o, k, st in convs]
+        self.convs = nn.Sequential(*[layer for conv in convs for layer in (conv, nn.ReLU())])
         flat = self.convs(torch.zeros(1, c, h, w)).numel()  # the features a frame stack gives
         self.dense = orthogonal_init_(nn.Linear(flat, out_features), math.sqrt(2))
         self.out_features = out_features
 
     def forward(self, obs_uint8: torch.Tensor) -> torch.Tensor:
         # The one place frames become floats; permute() keeps the NHWC memory order (channels_last: faster on a CPU)
-        x = obs_uint8.permute(0, 3, 1, 2).float().div_(255.0)
-        return F.relu(self.dense(self.convs(x).flatten(1)))
+        return F.relu(self.dense(self.convs(obs_uint8.permute(0, 3, 1, 2).float().div_(255.0)).flatten(1)))
 
 
-class AgentOutput(NamedTuple):
-    """What the network returns, by name (no call site unpacks it by position): a new head's output is in `heads`."""
-
+class AgentOutput(NamedTuple):  # what the network returns, by name: no call site unpacks it by position
     logits: torch.Tensor  # the policy's logits, fp32
     value: torch.Tensor  # V: the true value head
     aux_value: torch.Tensor  # V_aux: the auxiliary value head, on the policy trunk
@@ -201,8 +198,7 @@ class PPGAgent(nn.Module):
         self.aux_value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
         self.v_trunk = NatureEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
-        # A new head: extra_heads["reward"] = nn.Linear(width, 1) here, read in a loss as out.heads["reward"];
-        # its init draws from torch's stream and shifts every later draw: build it under its flag, so runs without match
+        # A new head: extra_heads["x"] = a layer, under its flag (its init shifts every later draw); out.heads["x"]
         self.extra_heads = nn.ModuleDict()
 
     def forward(self, obs: torch.Tensor, terms=("policy", "value")) -> AgentOutput:
@@ -235,8 +231,7 @@ def moments(x: torch.Tensor) -> Tuple[float, float, float]:
 
 
 class RewardNormalizer:
-    """Rewards divided by the running std of the discounted return (no mean subtraction), then clipped, as the released
-    code: a (num_envs, num_steps) rollout's returns update the statistics, then its rewards are scaled by them."""
+    """Rewards over the running std of their discounted return (no mean), clipped; a rollout at a time, as released."""
 
     def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, epsilon: float = 1e-8):
         self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
@@ -256,11 +251,12 @@ class RewardNormalizer:
         self.count = total
         return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
 
-    def state_dict(self) -> Dict:
-        return dict(mean=float(self.mean), var=float(self.var), count=float(self.count))  # not `ret`: envs restart
+    def state_dict(self) -> Dict:  # `ret`: each env's discounted return so far, which the next rollout goes on with
+        return dict(mean=float(self.mean), var=float(self.var), count=float(self.count), ret=self.ret.tolist())
 
     def load_state_dict(self, state: Dict) -> None:
         self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
+        self.ret = np.array(state.get("ret", self.ret), dtype=np.float64)  # a checkpoint from before `ret`: zeros
 
 
 def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
@@ -282,8 +278,7 @@ def kl_divergence(p_logits, q_logits):
 
 
 def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
-    """PPO's surrogate (L_clip, or L_KL's penalised one) minus the entropy bonus (`policy`) plus 0.5 MSE of V (`value`):
-    (loss, stats). mb is a --micro-batch-size chunk: a whole minibatch's statistic belongs in policy_phase_update."""
+    """(L_clip or L_KL's surrogate - entropy bonus: `policy`) + 0.5 MSE of V (`value`) on a chunk: (loss, stats)."""
     loss, stats = 0.0, {}
     if "policy" in terms:
         logprobs = F.log_softmax(out.logits, dim=-1)
@@ -316,8 +311,7 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
 
 
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-    """Every per-step array: name -> (shape of one step's entry, dtype). Allocation, both phases' minibatches and the
-    memory check read this alone: a new per-step target is an entry here, the line that fills it, its loss."""
+    """Every per-step array, name -> (a step's shape, dtype), read by all else: a new target is an entry here."""
     return dict(
         obs=(OBS_SHAPE, torch.uint8),  # frames stay uint8 until the network
         actions=((), torch.long),
@@ -335,7 +329,7 @@ def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dt
 @torch.no_grad()
 def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str, torch.Tensor], step: int):
     """num_steps steps of every env into ro (its rows of B); returns next obs, step, V(next obs), finished episodes."""
-    episodes = []
+    episodes, start, say_at = [], time.time(), time.time() + 20
     rewards, ended = np.zeros(ro["raw_rewards"].shape, np.float32), np.zeros(ro["ended"].shape, bool)  # on the host
     for t in range(ro["obs"].shape[1]):
         ro["obs"][:, t] = next_obs
@@ -347,6 +341,9 @@ def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str,
         next_obs = torch.from_numpy(obs).to(next_obs.device)
         step += envs.num_envs
         episodes += [(step, ep_return, length) for _, ep_return, length in finished]
+        if time.time() > say_at:  # a long rollout (a CPU's) shows within a minute that it runs: on the host clock
+            print(f"rollout: {t + 1} of {rewards.shape[1]} steps in {time.time() - start:.0f}s", flush=True)
+            say_at = math.inf
     ro["raw_rewards"].copy_(torch.from_numpy(rewards))  # uploaded once a rollout
     ro["ended"].copy_(torch.from_numpy(ended))
     return next_obs, step, agent(next_obs).value, episodes
@@ -375,9 +372,9 @@ def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args:
         (loss * weight).backward()
         for k, v in chunk_stats.items():
             stats[k] = stats.get(k, 0.0) + weight * v.detach()
-    if args.max_grad_norm > 0:
-        nn.utils.clip_grad_norm_(agent.policy_parameters(), args.max_grad_norm)
-        nn.utils.clip_grad_norm_(agent.value_parameters(), args.max_grad_norm)
+    if args.max_grad_norm > 0:  # each network's norm apart
+        for network in (agent.policy_parameters(), agent.value_parameters()):
+            nn.utils.clip_grad_norm_(network, args.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return stats
@@ -385,8 +382,7 @@ def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args:
 
 def minibatch_means(logs: Dict[str, List[torch.Tensor]], where: str) -> Dict[str, float]:
     """Each statistic's mean over all its minibatches, in one host copy; a NaN or inf stops the run in one line."""
-    values = torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()  # the one host copy
-    means = {name: value for name, value in zip(logs, values)}
+    means = dict(zip(logs, torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()))  # one host copy
     if bad := [k for k, v in means.items() if not math.isfinite(v)]:
         sys.exit(f"error: non-finite {', '.join(bad)} in the {where}; stopped, the last checkpoint unchanged")
     return means
@@ -401,8 +397,7 @@ def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tenso
     for terms, count, opt in epochs:
         for _ in range(count):
             for idx in torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches):
-                # the whole minibatch (its own statistics go here), without pi_old, which only the aux phase reads
-                mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}
+                mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}  # pi_old: the aux phase's alone
                 stats = gradient_step(
                     agent, opt, mb, args, lambda c: policy_phase_loss(agent(c["obs"], terms), c, args, terms)
                 )
@@ -441,8 +436,7 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor]
 
 
 def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, str]:
-    """The checkpoint of --resume and the run's flags from it (a flag added since: its default), but for those a resume
-    may change that the command line names (`given`; None: those off their defaults). Returns (args, ckpt, folder)."""
+    """(the run's flags, its checkpoint, its folder); a flag in `given` (None: off its default) may change a few."""
     path = os.path.join(args.resume, "checkpoint.pt") if os.path.isdir(args.resume) else args.resume
     if os.path.isdir(args.resume) and not os.path.exists(path):
         sys.exit(f"error: --resume {args.resume}: no checkpoint (it stopped before its first phase ended): start again")
@@ -471,14 +465,12 @@ def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, st
 
 
 def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) -> Tuple[int, int, int]:
-    """(--micro-batch-size to run with, bytes of B, bytes of a chunk's activations at ACTIVATION_BYTES a state and
-    trunk); exits in one line if over `free`. None: 256 on a CPU (among the fastest: tools/benchmark.py --sweep)."""
-    fields = buffer_fields(NUM_ACTIONS).values()  # the most actions a game has
-    buffer_bytes = math.prod(rows) * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields)
+    """(--micro-batch-size to run with, bytes of B, of a chunk's activations), or a one-line exit if over `free`."""
+    buffer_bytes = math.prod(rows) * sum(math.prod(s) * d.itemsize for s, d in buffer_fields(NUM_ACTIONS).values())
     per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)  # `dual` runs both trunks in a step
     largest = max(args.num_envs * args.num_steps // args.num_minibatches, args.aux_mb_trajectories * args.num_steps)
     fits = int(max(free - buffer_bytes, 0) // per_state)  # the states whose activations fit beside B
-    chunk = 256 if args.micro_batch_size is None and not on_gpu else args.micro_batch_size
+    chunk = 256 if args.micro_batch_size is None and not on_gpu else args.micro_batch_size  # tools/benchmark.py --sweep
     if chunk is None:  # on a GPU: whole minibatches (0) if they fit beside B, else the largest power of 2 that does
         chunk = 0 if fits >= largest else 2 ** max(fits.bit_length() - 1, 0)
     states = min(chunk or largest, largest)
@@ -499,8 +491,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
         print(f"{run_dir} is trained to step {global_step:,}: nothing to do (a larger --total-timesteps trains on)")
         return
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    # TF32 only when asked: PyTorch runs cuDNN convolutions in TF32 by default on recent GPUs
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"  # cuDNN's: on
     rows = (plan["trajectories"], args.num_steps)  # B: rows of whole trajectories, num_envs rows a rollout
     meminfo = open("/proc/meminfo").read().split() if os.path.exists("/proc/meminfo") else ["MemAvailable:", "inf"]
     free = 1024 * float(meminfo[meminfo.index("MemAvailable:") + 1])  # RAM the kernel can give without swapping
@@ -512,6 +503,9 @@ def main(args: Args, given: Optional[set] = None) -> None:
     run_dir = run_dir or f"runs/{run_name}"
     rounded = " (--total-timesteps rounded up to whole rollouts)" * (num_iterations * batch_size > args.total_timesteps)
     tf32 = " (a CPU has no TF32: plain fp32)" * (args.precision == "tf32" and device.type != "cuda")
+    first = min(args.n_pi, num_iterations - iteration) * batch_size  # env steps to the first checkpoint
+    hours = (num_iterations - iteration) * batch_size / CPU_STEPS_PER_S / 3600  # the rest of the run, on a CPU
+    cpu = f" (on a CPU: in {first / CPU_STEPS_PER_S / 60:.0f} min; all in {hours:.0f} h{', a GPU job' * (hours > 3)})"
     print(
         f"run {run_name} on {device}: phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: "
         f"{num_iterations} of {args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps"
@@ -519,17 +513,17 @@ def main(args: Args, given: Optional[set] = None) -> None:
         f"aux phases: {plan['aux_phases']}; PPO minibatch {batch_size // args.num_minibatches} states, aux minibatch "
         f"{args.aux_mb_trajectories * args.num_steps}; B {buffer_bytes / 2**30:.2f} GiB (uint8 frames)\nprecision "
         f"{args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states "
-        f"({activation_bytes / 2**30:.2f} GiB of activations); a checkpoint "
-        f"after each phase, the first at step {global_step + min(args.n_pi, num_iterations - iteration) * batch_size:,}"
+        f"({activation_bytes / 2**30:.2f} GiB of activations); a checkpoint after each phase, the first at step "
+        f"{global_step + first:,}{cpu * (device.type == 'cpu')}"
     )
-    hours = (num_iterations - iteration) * batch_size / CPU_STEPS_PER_S / 3600
-    if device.type == "cpu" and hours > 3:  # a GPU's job: say so now, not at the first ETA minutes from now
-        print(f"note: on a CPU this takes about {hours:.0f} h ({CPU_STEPS_PER_S} env steps/s on 2 cores): a GPU's job")
-    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume: another stream (31 bits for the env)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume restores the streams (see `if ckpt`)
+    for seed_stream in (random.seed, np.random.seed, torch.manual_seed):
+        seed_stream(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    try:  # a new run's folder, made exclusively: a run never writes into another's (nor starts a W&B run for it)
+        os.makedirs(run_dir, exist_ok=bool(ckpt))
+    except FileExistsError:
+        sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
     if args.track:  # before the writer: W&B mirrors every TensorBoard scalar; a resumed run continues its W&B run
         config = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name)
         try:
@@ -537,12 +531,16 @@ def main(args: Args, given: Optional[set] = None) -> None:
 
             wandb.init(**config, id=ckpt and ckpt["wandb_id"], resume="allow", sync_tensorboard=True, save_code=True)
         except Exception as e:  # not installed, not logged in, no network: the fix of each
+            if not ckpt:  # the new run's folder, still empty (and runs/, if it was made for it)
+                os.removedirs(run_dir)
             fix = "pip install wandb==0.31.0" if isinstance(e, ImportError) else "wandb login, or WANDB_MODE=offline"
             sys.exit(f"error: --track: {fix} ({type(e).__name__}: {e})"[:300])
-    try:  # a new run's folder, made exclusively: a run never writes into another's
-        os.makedirs(run_dir, exist_ok=bool(ckpt))
-    except FileExistsError:
-        sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
+    if ckpt and "events" in ckpt:  # the log cut back to the checkpoint (purge_step cannot reach aux/*'s epoch axis)
+        for path in [f"{run_dir}/{name}" for name in os.listdir(run_dir) if "tfevents" in name]:
+            if os.path.basename(path) in ckpt["events"]:  # its length at the checkpoint
+                os.truncate(path, min(ckpt["events"][os.path.basename(path)], os.path.getsize(path)))
+            else:  # begun after the checkpoint
+                os.remove(path)
     writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)  # a resume logs no step twice
     writer.add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     # The envs, the networks, the optimizers, the buffer B
@@ -551,15 +549,22 @@ def main(args: Args, given: Optional[set] = None) -> None:
     optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
     policy_optimizer, aux_optimizer, value_optimizer = optimizers  # kept across phases (value's: when E_pi != E_V)
     reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
-    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
-    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer)
     fields = buffer_fields(envs.num_actions).items()  # zeros: a field a hack adds reads 0 until filled
     buffers = {k: torch.zeros((*rows, *shape), dtype=dtype, device=device) for k, (shape, dtype) in fields}
     recent_returns, aux_epochs_done = deque(maxlen=100), ckpt["aux_epochs_done"] if ckpt else 0
-    if ckpt:
-        for name, thing in stateful.items():
-            thing.load_state_dict(ckpt[name])
-        print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}")
+    # All a checkpoint holds but flags and counts, in one place: each part's reader and restorer
+    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer, envs=envs)
+    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer)
+    parts = {name: (thing.state_dict, thing.load_state_dict) for name, thing in stateful.items()}
+    parts.update(python_rng=(random.getstate, random.setstate), torch_rng=(torch.get_rng_state, torch.set_rng_state))
+    parts.update(numpy_rng=(lambda: [(s := np.random.get_state())[0], s[1].tolist(), *s[2:]], np.random.set_state))
+    parts.update(recent_returns=(lambda: list(recent_returns), recent_returns.extend))  # the console's last 100
+    parts.update(dict(cuda_rng=(torch.cuda.get_rng_state, torch.cuda.set_rng_state)) if device.type == "cuda" else {})
+    if ckpt:  # (a part a checkpoint from before lacks: as a new run's)
+        for name in parts.keys() & ckpt.keys():
+            parts[name][1](ckpt[name])
+        how = envs.RESUME if "torch_rng" in ckpt else "a checkpoint from before exact resume: not the run unbroken"
+        print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}; {how}")
 
     def stop(signum, frame):  # SIGTERM or Ctrl-C: say how to resume, exit with 128 + the signal
         saved = os.path.exists(f"{run_dir}/checkpoint.pt")
@@ -569,7 +574,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    next_obs = torch.from_numpy(envs.reset()).to(device)
+    next_obs = torch.from_numpy(envs.reset()).to(device)  # a restored env's: the frames it stopped at
     start_time, start_step = time.time(), global_step  # SPS and the ETA: this start's mean rate
     try:
         while iteration < num_iterations:
@@ -579,11 +584,9 @@ def main(args: Args, given: Optional[set] = None) -> None:
                 iteration += 1
                 slot = i if plan["aux_phases"] else 0  # B holds N_pi rollouts; without aux phases, one
                 ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}  # views
-                if args.anneal_lr:  # by the planned total (a raised one too); the aux phase keeps the last rate
-                    lr = args.learning_rate * (1 - (iteration - 1) / num_iterations)
-                    for optimizer in optimizers:
-                        for group in optimizer.param_groups:
-                            group["lr"] = lr
+                if args.anneal_lr:  # every Adam's, by the planned total (a raised one too); the aux phase keeps it
+                    for group in [group for optimizer in optimizers for group in optimizer.param_groups]:
+                        group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
                 next_obs, global_step, next_value, episodes = collect_rollout(agent, envs, next_obs, ro, global_step)
                 explained_variance = compute_targets(ro, next_value, args, reward_normalizer)  # V_hat and A
                 for step, ep_return, length in episodes:
@@ -600,9 +603,8 @@ def main(args: Args, given: Optional[set] = None) -> None:
                 progress = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
                 mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"  # last 100
                 losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
-                seconds_left = (num_iterations - iteration) * batch_size / sps  # at this start's mean rate, so
-                minutes = round(seconds_left / 60)  # short by the aux phases' share until this start's first has run
-                eta = f"{minutes // 60}h{minutes % 60:02d}m" if minutes else f"{seconds_left:.0f}s"
+                minutes = round((num_iterations - iteration) * batch_size / sps / 60)  # at this start's mean rate, so
+                eta = f"{minutes // 60}h{minutes % 60:02d}m"  # short by the aux phases' share until its first has run
                 print(f"{progress} SPS {sps:.0f} ETA {eta} return {mean_return} {losses}", flush=True)
             # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
             aux_epochs, aux_start = [], time.time()
@@ -616,18 +618,18 @@ def main(args: Args, given: Optional[set] = None) -> None:
             # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
             for k, v in (aux_epochs[-1] if aux_epochs else {}).items():  # the aux phase's last epoch, on env steps
                 writer.add_scalar(f"aux_phase/{k}", v, global_step)
-            writer.flush()  # what was logged up to it is on disk: a kill after it loses nothing of it
-            state = {name: thing.state_dict() for name, thing in stateful.items()}
-            state.update(script=SCRIPT, run_name=run_name, args=dict(vars(args), micro_batch_size=micro_batch_flag))
-            state.update(phase=phase, global_step=global_step, aux_epochs_done=aux_epochs_done)
+            for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs run
+                for k, v in epoch_stats.items():
+                    writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux_epochs) + 1 + epoch)
+            writer.flush()  # the phase's log on disk, its length in the checkpoint: a kill after it loses none of it
+            events = {n: os.path.getsize(f"{run_dir}/{n}") for n in os.listdir(run_dir) if "tfevents" in n}
+            state = dict(script=SCRIPT, run_name=run_name, args=dict(vars(args), micro_batch_size=micro_batch_flag))
+            state.update(phase=phase, global_step=global_step, aux_epochs_done=aux_epochs_done, events=events)
             state.update(wandb_id=wandb.run.id if args.track else ckpt and ckpt["wandb_id"])  # kept for --track
             with open(f"{run_dir}/checkpoint.pt.tmp", "wb") as f:
-                torch.save(state, f)
+                torch.save(dict(state, **{name: get() for name, (get, _) in parts.items()}), f)
                 os.fsync(f.fileno())  # on disk before the rename: a crash leaves the last checkpoint whole
             os.replace(f"{run_dir}/checkpoint.pt.tmp", f"{run_dir}/checkpoint.pt")
-            for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs; logged after the checkpoint,
-                for k, v in epoch_stats.items():  # as purge_step cannot hide another axis's values
-                    writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux_epochs) + 1 + epoch)
     finally:
         writer.close()
     envs.env.close()

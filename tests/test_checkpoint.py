@@ -55,11 +55,12 @@ def scalars_with_steps(run_dir, tag: str) -> list:
     return [e.step for e in acc.Scalars(tag)], acc
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+# Procgen's: tests/test_resume.py, whose resumed run must log every scalar as the run unbroken does
+@pytest.mark.parametrize("name", ["ppg_atari.py"])
 def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monkeypatch, capsys):
     proc = start(name, tmp_path)
     saved = wait_for_checkpoint(proc, tmp_path)
-    time.sleep(0.3)  # past the phase boundary's last writes (its aux/ scalars, flushed after the checkpoint)
+    time.sleep(0.3)  # a moment into phase 2
     proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 2 of 2, however fast the machine)
     assert checkpoint(saved.parent)["phase"] < 2
     proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
@@ -94,8 +95,8 @@ script.main(tyro.cli(script.Args, args=sys.argv[2:]))
 
 
 def test_a_kill_just_after_a_phase_boundary_keeps_that_phases_log(tmp_path):
-    """SIGKILL at the start of phase 2: what phase 1 logged, its aux/ scalars too (logged after its checkpoint, and
-    never redone by a resume), is on disk."""
+    """SIGKILL at the start of phase 2: what phase 1 logged, its aux/ scalars too (flushed before its checkpoint, so
+    that a resume from it, which never redoes them, finds them), is on disk."""
     argv = [sys.executable, "-c", KILLED_AT_ROLLOUT_3, str(ROOT / "ppg_atari.py"), *TINY_FLAGS["ppg_atari.py"], *LONG]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
@@ -120,7 +121,8 @@ def test_a_resume_hides_what_the_stopped_run_logged_after_its_checkpoint(tiny_ru
     assert steps == [64, 128, 192]
 
 
-@pytest.mark.parametrize("name, signum", [("ppg_procgen.py", signal.SIGTERM), ("ppg_atari.py", signal.SIGINT)])
+# SIGTERM: tests/test_resume.py stops a Procgen run with it and resumes it
+@pytest.mark.parametrize("name, signum", [("ppg_atari.py", signal.SIGINT)])
 def test_sigterm_and_ctrl_c_print_the_resume_command_and_exit_128_plus_the_signal(name, signum, tmp_path):
     proc = start(name, tmp_path, "--total-timesteps", str(10**6))  # far too long to finish before the signal
     saved = wait_for_checkpoint(proc, tmp_path)
@@ -159,7 +161,11 @@ def test_resume_of_a_copied_run_writes_into_the_copy(name, tiny_run, tmp_path, m
     )
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # the original: untouched
     assert checkpoint(copy)["global_step"] == 320
-    assert len(list(copy.glob("events.out.tfevents.*"))) == 2 and f"resumed from {copy}/" in capsys.readouterr().out
+    assert len(list(copy.glob("events.out.tfevents.*"))) == 2
+    (resumed,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resumed from")]
+    # what a resume keeps, in one line: Procgen all; ale-py cannot save its emulators
+    how = "exact: every env" if name == "ppg_procgen.py" else "not exact: ale-py cannot save its emulators"
+    assert resumed.startswith(f"resumed from {copy}/checkpoint.pt after phase 2, step 192; {how}")
 
 
 def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, monkeypatch):

@@ -137,8 +137,8 @@ BAD_FLAGS = {
         (["--max-episode-frames", "0"], "--max-episode-frames"),
         (["--num-steps", "10000000000"], "GiB"),  # 8 x 1e10 frame stacks (2.3 PB): no machine holds it
         (["--learning-rate", "inf"], "--learning-rate must be a finite number"),
-        (["--gamma", "1.5"], "--gamma must lie in [0, 1]"),
-        (["--micro-batch-size", "-2"], "--micro-batch-size must be >= 0"),
+        (["--gamma", "1.5"], "--gamma must be a finite number in [0, 1]"),
+        (["--micro-batch-size", "-2"], "--micro-batch-size must be a finite number >= 0"),
         (["--seed", "-1"], "--seed must lie in [0, 2^31)"),
     ],
 }

@@ -78,10 +78,12 @@ def test_lkl_flags_are_checked(name, tmp_path, monkeypatch):
     script = load_script(name)
     assert "--kl-penalty > 0" in refusal(script, ["--clip-coef", "0"], tmp_path, monkeypatch)
     assert (
-        refusal(script, ["--kl-penalty", "-1"], tmp_path, monkeypatch) == "error: --kl-penalty must be >= 0 (got -1.0)"
+        refusal(script, ["--kl-penalty", "-1"], tmp_path, monkeypatch)
+        == "error: --kl-penalty must be a finite number >= 0 (got -1.0)"
     )
     assert (
-        refusal(script, ["--clip-coef", "-0.1"], tmp_path, monkeypatch) == "error: --clip-coef must be >= 0 (got -0.1)"
+        refusal(script, ["--clip-coef", "-0.1"], tmp_path, monkeypatch)
+        == "error: --clip-coef must be a finite number >= 0 (got -0.1)"
     )
     script.make_plan(script.Args(clip_coef=0.0, kl_penalty=1.0))  # L_KL, the paper's
     script.make_plan(script.Args(clip_coef=0.2, kl_penalty=1.0))  # both, as the released code allows

@@ -115,3 +115,18 @@ def test_tracking_flags_and_track_without_wandb_stops_in_one_line(name, tmp_path
     # installed but not started: the fix is a login (or offline mode), not an install
     assert message.startswith("error: --track: wandb login, or WANDB_MODE=offline (ValueError: no API key")
     assert "pip install" not in message
+
+
+def test_track_starts_wandb_only_after_the_run_folder_is_claimed(tmp_path, monkeypatch):
+    """A start refused because its run folder exists (a run with the same name began the same second) leaves no W&B
+    run behind: wandb.init comes after the folder is made. Here the clock is held, and the folder made first."""
+    script = load_script(SCRIPT)
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: 1_000_000.0))
+    run_dir = tmp_path / "runs" / "BreakoutNoFrameskip-v4__ppg_atari__1__1000000"
+    run_dir.mkdir(parents=True)
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: calls.append(kwargs)))
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(script, [*TINY_FLAGS[SCRIPT], "--track"], tmp_path, monkeypatch)
+    assert str(stopped.value.code).startswith(f"error: runs/{run_dir.name} exists") and calls == []
+    assert list(run_dir.iterdir()) == []

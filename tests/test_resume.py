@@ -1,0 +1,202 @@
+"""Exact resume (ppg_procgen.py): a run stopped anywhere (kill -9, SIGTERM) and resumed from its last checkpoint ends
+bit-identical at fp32 to the run unbroken: every tensor of the final checkpoint (weights, the three Adam states, each
+env's Procgen state, the random streams, the reward normaliser) and every logged scalar, at every step, but SPS (a
+wall-clock rate). A checkpoint from before exact resume still resumes, saying in one line that it is not exact."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PATIENCE_S, ROOT, load_script, main_in_process
+
+# 3 rollouts of 2 envs x 16 steps, one a phase (N_pi 1): checkpoints after phases 1 and 2 (each after its aux phase of
+# 2 epochs, 2 minibatches each) and 3. Dodgeball ends random episodes within a rollout; 2 PPO minibatches a rollout.
+FLAGS = ["--env-id", "dodgeball", "--num-envs", "2", "--num-steps", "16", "--n-pi", "1", "--total-timesteps", "96"]
+FLAGS += ["--num-minibatches", "2", "--aux-mb-trajectories", "1", "--e-aux", "2", "--micro-batch-size", "16"]
+FLAGS += ["--seed", "1"]
+# one thread in every process: the unbroken and the resumed runs add up their sums in the same order
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+NOT_COMPARED = {"run_name", "events", "wandb_id"}  # the run's name and its event files' names: each run's own
+
+
+def start(cwd, *flags) -> subprocess.Popen:
+    argv = [sys.executable, str(ROOT / "ppg_procgen.py"), *flags]
+    return subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> pathlib.Path:
+    """The run never stopped: its folder, shared by the tests below (read only)."""
+    cwd = tmp_path_factory.mktemp("unbroken")
+    finish(start(cwd, *FLAGS))
+    (run,) = (cwd / "runs").iterdir()
+    return run
+
+
+def scalars(run: pathlib.Path) -> dict:
+    """{tag: [(step, value)]} as TensorBoard shows the run (purged as it purges), SPS left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [tag for tag in acc.Tags()["scalars"] if tag != "charts/SPS"]
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags}
+
+
+def same(a, b, where="checkpoint") -> None:
+    """a == b exactly, through dicts, lists and tuples (tensors: equal dtype, shape and every element)."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: differs by up to {(a.double() - b.double()).abs().max():.3g}"
+    else:
+        assert a == b, where
+
+
+def assert_the_unbroken_run(run: pathlib.Path, unbroken: pathlib.Path) -> None:
+    ours, theirs = (torch.load(r / "checkpoint.pt", weights_only=True) for r in (run, unbroken))
+    assert ours["phase"] == 3 and ours["global_step"] == 96
+    for state in (ours, theirs):
+        for key in NOT_COMPARED:
+            state.pop(key)
+        state["args"].pop("resume")  # the resumed start's flag
+    same(ours, theirs)
+    ours, theirs = scalars(run), scalars(unbroken)
+    assert theirs["charts/episodic_return"] and len(theirs["aux/clone_kl"]) == 4  # episodes ended; 2 aux phases
+    assert ours.keys() == theirs.keys()
+    for tag in theirs:
+        assert ours[tag] == theirs[tag], tag
+
+
+def wait_for_checkpoint(proc, cwd) -> pathlib.Path:
+    deadline = time.time() + PATIENCE_S
+    while not (found := list(pathlib.Path(cwd).glob("runs/*/checkpoint.pt"))):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    return found[0].parent
+
+
+# The script, stopped by SIGTERM in its second checkpoint's rename: phase 2's log (aux/* too) is flushed, its checkpoint
+# not yet in place, so the resume goes on from phase 1's and redoes phase 2, logging its aux epochs again
+SIGTERM_AT_CHECKPOINT_2 = """
+import os, runpy, signal, sys
+real, renames = os.replace, []
+def replace(src, dst):
+    renames.append(dst)
+    if len(renames) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    real(src, dst)
+os.replace = replace
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_run_killed_anywhere_and_resumed_is_the_run_unbroken(unbroken, tmp_path):
+    """kill -9 from outside as soon as the first checkpoint is there (phase 2 of 3 under way), then a resume as a user
+    starts it."""
+    proc = start(tmp_path, *FLAGS)
+    run = wait_for_checkpoint(proc, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == -signal.SIGKILL  # killed, not finished
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["phase"] < 3
+    out = finish(start(tmp_path, "--resume", str(run)))
+    assert "; exact: every env, random stream and tracker restored" in out
+    assert_the_unbroken_run(run, unbroken)
+
+
+def test_a_run_stopped_by_sigterm_before_a_checkpoint_lands_resumes_as_the_run_unbroken(unbroken, tmp_path):
+    """SIGTERM at the worst moment for the log: phase 2's scalars (aux/* on the aux epochs' axis, which TensorBoard's
+    purge_step does not reach) are written and flushed, its checkpoint not yet renamed into place. The resume cuts the
+    log back to phase 1's checkpoint and logs phase 2 again: each scalar once."""
+    argv = [sys.executable, "-c", SIGTERM_AT_CHECKPOINT_2, str(ROOT / "ppg_procgen.py"), *FLAGS]
+    done = subprocess.run(argv, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["phase"] == 1
+    assert len(scalars(run)["aux/clone_kl"]) == 4  # phases 1 and 2's epochs: on disk when the signal came
+    out = finish(start(tmp_path, "--resume", str(run)))
+    assert done.stdout.strip().endswith(
+        f"stopped by SIGTERM; resume with: python ppg_procgen.py --resume runs/{run.name}"
+    )
+    assert "Traceback" not in done.stderr and "; exact: every env" in out
+    assert_the_unbroken_run(run, unbroken)
+
+
+NEW_PARTS = ("envs", "python_rng", "numpy_rng", "torch_rng", "cuda_rng", "recent_returns", "events")
+
+
+def test_a_checkpoint_from_before_exact_resume_resumes_saying_it_is_not_exact(unbroken, tmp_path, monkeypatch, capsys):
+    """The unbroken run's checkpoint as an older version wrote it (no env states, random streams, trackers, event file
+    lengths or normaliser's running returns): raised by one rollout, it resumes and says in one line that it is not
+    exact. The plan line gives the first checkpoint's time at a CPU's rate."""
+    run = tmp_path / "runs" / unbroken.name
+    shutil.copytree(unbroken, run)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    for key in NEW_PARTS:
+        state.pop(key, None)
+    state["reward_normalizer"].pop("ret")
+    torch.save(state, run / "checkpoint.pt")
+    script = load_script("ppg_procgen.py")
+    main_in_process(script, ["--resume", str(run), "--total-timesteps", "128"], tmp_path, monkeypatch)
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "exact" in line] == [
+        f"resumed from {run}/checkpoint.pt after phase 3, step 96; a checkpoint from before exact resume: not the run "
+        "unbroken"
+    ]
+    minutes = 32 / script.CPU_STEPS_PER_S / 60
+    assert f"the first at step 128 (on a CPU: in {minutes:.0f} min; all in 0 h)" in out
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["global_step"] == 128
+
+
+def test_a_long_rollout_says_within_a_minute_that_it_runs(monkeypatch, capsys):
+    """One line, once, when a rollout has run 20 s by the host clock (here a clock that moves 7 s a call)."""
+    script = load_script("ppg_procgen.py")
+    clock = iter(range(0, 10**4, 7))
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: float(next(clock))))
+    frames = np.zeros((2, *script.OBS_SHAPE), np.uint8)
+    envs = types.SimpleNamespace(num_envs=2, step=lambda a: (frames, np.zeros(2, np.float32), np.zeros(2, bool), []))
+    fields = script.buffer_fields(script.NUM_ACTIONS).items()
+    ro = {k: torch.zeros((2, 6, *shape), dtype=dtype) for k, (shape, dtype) in fields}
+    agent = script.PPGAgent(script.Args(arch="shared"), script.OBS_SHAPE, script.NUM_ACTIONS)  # one trunk: cheaper
+    script.collect_rollout(agent, envs, torch.from_numpy(frames), ro, 0)
+    # the clock: the start 0, the deadline 7 + 20 = 27; read after steps 1, 2, 3: 14, 21, 28 (late), then 35 printed
+    assert capsys.readouterr().out.splitlines() == ["rollout: 3 of 6 steps in 35s"]
+
+
+def test_the_reward_normaliser_goes_on_with_each_envs_running_return(script):
+    """Its checkpointed state holds each env's discounted return so far (`ret`), so a restored normaliser scales the
+    next rollout exactly as the one never stopped. The end-to-end runs above cannot show this: dodgeball rewards only an
+    episode's last step, after which `ret` is 0, so it is 0 at every checkpoint there."""
+    rewards, dones = np.array([[0.0, 1.0, 0.5], [2.0, 0.0, 0.0]]), np.zeros((2, 3), bool)  # mid-episode rewards
+    unbroken = script.RewardNormalizer(2, 0.99)
+    unbroken(rewards, dones)
+    state = unbroken.state_dict()
+    assert all(state["ret"])  # episodes under way: running returns to go on with
+    restored = script.RewardNormalizer(2, 0.99)
+    restored.load_state_dict(state)
+    assert (restored(rewards, dones) == unbroken(rewards, dones)).all()
