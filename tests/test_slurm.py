@@ -316,9 +316,8 @@ def tensors(state) -> dict:
     return {f"{k}/{path}": t for k, v in items for path, t in tensors(v).items()}
 
 
-# Needs the exact resume of ppg_procgen.py (its checkpoint holds each env's state and every random generator's), which
-# this version lacks: a resume today draws new random streams. Once it is in, this test passes: remove the mark.
-@pytest.mark.xfail(strict=True, reason="a resumed Procgen run is not yet bit-identical to the run unbroken")
+# The exact resume of ppg_procgen.py (its checkpoint holds each env's state and every random generator's) makes a
+# requeued run the run unbroken; the tests above show that it did resume (from its checkpoint, no step logged twice)
 def test_a_requeued_run_ends_bit_identical_to_the_run_unbroken(slurm_runs):
     for seed in (SEEDS["time_limit"], SEEDS["requeued"]):
         resumed, unbroken = (final_state(f) for f in (slurm_runs.folder[seed], slurm_runs.unbroken[seed]))
