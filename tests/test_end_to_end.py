@@ -103,9 +103,10 @@ def test_bf16_run(name, tmp_path, monkeypatch, capsys):
         return real(agent, *a, **k)
 
     monkeypatch.setattr(script, "collect_rollout", hook_once)
-    # one aux epoch and chunks of 32 states: the least work that still shows all of it (CPUs without native bf16
-    # emulate it, several times slower than fp32)
-    flags = [*TINY_FLAGS[name], "--precision", "bf16", "--e-aux", "1", "--micro-batch-size", "32"]
+    # 16 steps a rollout (3 rollouts still), one aux epoch and chunks of 32 states: the least work that still shows
+    # all of it (CPUs without native bf16 emulate it, several times slower than fp32)
+    flags = [*TINY_FLAGS[name], "--num-steps", "16", "--total-timesteps", "96", "--precision", "bf16", "--e-aux", "1"]
+    flags += ["--micro-batch-size", "32"]
     main_in_process(script, flags, tmp_path, monkeypatch)
     assert dtypes == {torch.bfloat16}
     check_tiny_run(capsys.readouterr().out, read_scalars(tmp_path), "bf16")
