@@ -94,6 +94,7 @@ script.main(tyro.cli(script.Args, args=sys.argv[2:]))
 """
 
 
+@pytest.mark.slow  # tests/test_resume.py kills a run right after a checkpoint and compares every scalar, aux/* too
 def test_a_kill_just_after_a_phase_boundary_keeps_that_phases_log(tmp_path):
     """SIGKILL at the start of phase 2: what phase 1 logged, its aux/ scalars too (flushed before its checkpoint, so
     that a resume from it, which never redoes them, finds them), is on disk."""
@@ -106,6 +107,7 @@ def test_a_kill_just_after_a_phase_boundary_keeps_that_phases_log(tmp_path):
     assert steps == [64, 128] and [e.step for e in acc.Scalars("aux/clone_kl")] == [1, 2]
 
 
+@pytest.mark.slow  # tests/test_resume.py stops runs after logging past a checkpoint and compares every scalar
 def test_a_resume_hides_what_the_stopped_run_logged_after_its_checkpoint(tiny_run, tmp_path, monkeypatch):
     """The shared finished run (3 rollouts, steps 64..192 logged) with its checkpoint taken back to phase 1, as if the
     run had been killed in phase 2 after logging rollout 3: the resumed run logs rollout 3 again, and TensorBoard
@@ -148,7 +150,8 @@ def test_a_signal_before_the_first_checkpoint_says_there_is_none(tmp_path, monke
     assert "stopped by SIGTERM; no checkpoint had been written yet" in capfd.readouterr().out
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+# Procgen's case is slow (11 s): the code that writes into the copy is the same in both scripts
+@pytest.mark.parametrize("name", [pytest.param("ppg_procgen.py", marks=pytest.mark.slow), "ppg_atari.py"])
 def test_resume_of_a_copied_run_writes_into_the_copy(name, tiny_run, tmp_path, monkeypatch, capsys):
     """--resume runs/X_copy continues in runs/X_copy: the original run folder is left as it was. The shared run's seed
     is 2^31 - 100, so the resumed phase's seed (shifted by the phases done) wraps below 2^31 and the run trains on."""

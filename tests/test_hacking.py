@@ -33,11 +33,21 @@ def final_parameters(script, flags, cwd, monkeypatch) -> dict:
     return torch.load(checkpoint, weights_only=True)["agent"]
 
 
-def test_the_guide_has_three_examples():
+def test_the_guide_has_three_examples_that_apply_and_import(tmp_path):
     assert len(DIFFS) == 3
+    for example, diff in enumerate(DIFFS):
+        (tmp_path / str(example)).mkdir()
+        patched_script(diff, tmp_path / str(example))
 
 
-@pytest.mark.parametrize("example", [0, 1, 2], ids=["aux-target", "clone-divergence", "monte-carlo"])
+# Training the second and third examples is slow (4 s each): the test above applies all three
+EXAMPLES = [pytest.param(0, id="aux-target")]
+EXAMPLES += [
+    pytest.param(i, id=name, marks=pytest.mark.slow) for i, name in ((1, "clone-divergence"), (2, "monte-carlo"))
+]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
 def test_each_example_applies_and_trains(example, tmp_path, monkeypatch):
     script = patched_script(DIFFS[example], tmp_path)
     flags = list(TINY_FLAGS["ppg_procgen.py"])

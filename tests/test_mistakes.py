@@ -322,6 +322,7 @@ def sigterm_in_rollout(monkeypatch, script, n: int) -> None:
     wrap(monkeypatch, script, "compute_gae", before=maybe_signal)
 
 
+@pytest.mark.slow  # 8 s; --anneal-lr is off by default (CleanRL's), and tests/test_resume.py checks exact resume
 def test_anneal_lr_survives_a_stop_and_follows_a_raised_budget(tmp_path, monkeypatch, capfd):
     """--anneal-lr over 6 rollouts, stopped by SIGTERM in rollout 3 and resumed from the phase-1 checkpoint: every
     rollout's rate (every optimizer; the aux phase takes its phase's last) is exactly CleanRL's lr (1 - (i - 1) / N) of

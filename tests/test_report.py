@@ -124,6 +124,7 @@ def test_the_released_figure_sits_beside_at_the_same_step_where_the_protocol_mat
     assert report.released_return(results, "ppg", "bigfish", 65_535) is None  # before the first row
 
 
+@pytest.mark.slow  # 7 s; tests/test_readme_commands.py runs `report.py --released-only` in a fresh copy as well
 def test_released_only_finds_the_released_code_where_the_quick_start_clones_it(tmp_path):
     """`python tools/report.py --released-only`, no --released, no $PPG_RELEASED_CODE, in a copy of the checkout: with no
     released code beside it, one line saying so and the clone command; with the released code where the README's

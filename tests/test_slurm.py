@@ -44,7 +44,12 @@ def scheduler_up() -> bool:
     """Whether a SLURM controller answers and has a node that takes jobs."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return False
-    done = subprocess.run(["sinfo", "--noheader", "--states=idle,mixed,allocated"], capture_output=True, text=True)
+    try:  # an installed SLURM whose controller is down answers after about 10 s of retries: 5 s is enough
+        done = subprocess.run(
+            ["sinfo", "--noheader", "--states=idle,mixed,allocated"], capture_output=True, text=True, timeout=5
+        )
+    except subprocess.TimeoutExpired:
+        return False
     return done.returncode == 0 and bool(done.stdout.strip())
 
 

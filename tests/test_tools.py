@@ -135,6 +135,7 @@ def test_plot_runs_draws_a_png(tmp_path):
     assert line.startswith("error") and "nope" in line and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # 8 s: the benchmark is a tool for figures, not part of a training run
 def test_benchmark_runs_and_prints_its_figures(tmp_path):
     """tools/benchmark.py on the smallest Atari config that still has the default envs and an aux phase (3 rollouts
     of 8 x 16 steps, one aux phase of 2 epochs; raw speed measured on the training's own 32-state chunks, over 128

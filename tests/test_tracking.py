@@ -61,6 +61,7 @@ def read_offline_run(folder) -> dict:
     return dict(run=run, config={u.key: json.loads(u.value_json) for u in run.config.update}, history=history)
 
 
+@pytest.mark.slow  # 17 s of offline W&B; --track is opt-in, and the tests below check its flags and its start
 def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     tracked_run(tmp_path, *TINY_FLAGS[SCRIPT])
     (first,) = glob.glob(f"{tmp_path}/wandb/offline-run-*")
