@@ -167,10 +167,13 @@ def test_each_phase_steps_its_own_adam_and_the_checkpoint_holds_both(recorded):
         assert {float(m["step"]) for m in moments.values()} == {float(count[where])}
 
 
-def test_resume_restores_every_state_the_stopped_run_held(script, tiny_run, tmp_path, monkeypatch):
+# Procgen's case is slow (5 s): tests/test_resume.py's resumed runs must end bit-identical to the runs unbroken
+@pytest.mark.parametrize("name", [pytest.param("ppg_procgen.py", marks=pytest.mark.slow), "ppg_atari.py"])
+def test_resume_restores_every_state_the_stopped_run_held(name, tiny_run, tmp_path, monkeypatch):
     """The shared finished 2-phase run (its reward normaliser on), resumed with a larger budget: at its first use,
     each restored piece (weights, both Adams' moments and steps, the reward normaliser) equals what the checkpoint
     holds, tensor by tensor."""
+    script = load_script(name)
     run = copy_run(tiny_run(script.SCRIPT), tmp_path)
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     assert saved["phase"] == 2 and saved["aux_optimizer"]["state"] and saved["policy_optimizer"]["state"]
