@@ -310,7 +310,7 @@ def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
 
 
 def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-    """Every per-step array, name -> (a step's shape, dtype), read by all else: a new target is an entry here."""
+    """Per-step arrays, name -> (a step's shape, dtype): a new target is an entry here, a line filling it, a loss."""
     return dict(
         obs=(OBS_SHAPE, torch.uint8),  # frames stay uint8 until the network
         actions=((), torch.long),
@@ -515,7 +515,7 @@ def main(args: Args, given: Optional[set] = None) -> None:
         f"({activation_bytes / 2**30:.2f} GiB of activations); a checkpoint after each phase, the first at step "
         f"{global_step + first:,}{cpu * (device.type == 'cpu')}"
     )
-    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # a resume restores the streams (see `if ckpt`)
+    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # resumes restore the streams (older ones: new)
     for seed_stream in (random.seed, np.random.seed, torch.manual_seed):
         seed_stream(seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
