@@ -22,6 +22,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The tools' modules, which tests import (tools/released.py: where the released code is)
+sys.path.insert(0, str(ROOT / "tools"))
 SCRIPTS = ["ppg_procgen.py", "ppg_atari.py"]
 # How long a test waits for a process it started: a guard against a hang, never a speed check. On a loaded 2-core
 # machine (here: beside a training run that the CPU's scheduler favoured) one tiny run took over 20 minutes.

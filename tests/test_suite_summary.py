@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import released
 import released_shims as rs
 from conftest import PATIENCE_S, ROOT
 
@@ -53,11 +54,11 @@ def test_released_code_is_found_where_the_clone_command_puts_it(tmp_path, monkey
     (clone / "phasic_policy_gradient").mkdir(parents=True)
     (clone / "phasic_policy_gradient" / "ppg.py").write_text("")
     monkeypatch.delenv(rs.ENV_VAR, raising=False)
-    monkeypatch.setattr(rs, "BESIDE", [clone, tmp_path / "absent"])
+    monkeypatch.setattr(released, "BESIDE", [clone, tmp_path / "absent"])
     assert rs.released_root() == (clone, "")
-    monkeypatch.setattr(rs, "BESIDE", [tmp_path / "absent", clone])  # CI's copy, second, is found as well
+    monkeypatch.setattr(released, "BESIDE", [tmp_path / "absent", clone])  # CI's copy, second, is found as well
     assert rs.released_root() == (clone, "")
-    monkeypatch.setattr(rs, "BESIDE", [tmp_path / "absent"])
+    monkeypatch.setattr(released, "BESIDE", [tmp_path / "absent"])
     assert rs.released_root()[0] is None
     monkeypatch.setenv(rs.ENV_VAR, str(clone))  # $PPG_RELEASED_CODE comes first
     assert rs.released_root() == (clone, "")

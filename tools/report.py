@@ -30,10 +30,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # released_shims: where the tests look
 from experiments import EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
-from released_shims import CLONE_COMMAND, released_root  # noqa: E402
+from released import CLONE_COMMAND, released_root  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
