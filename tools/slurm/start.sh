@@ -8,8 +8,9 @@ here="$(cd "$(dirname "$0")" && pwd)"
 if [ "$(id -u)" != 0 ]; then echo "error: tools/slurm/start.sh starts system daemons: run it as root" >&2; exit 1; fi
 if sinfo --noheader --states=idle,mixed,allocated 2>/dev/null | grep -q .; then echo "slurm: already up"; exit 0; fi
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+    # (a mirror that does not answer ends the start in 10 minutes, not never)
+    timeout 600 apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq slurm-wlm munge >/dev/null
 fi
 # munge authenticates SLURM's messages: a key of 1024 random bytes that only the munge user reads
 if [ ! -s /etc/munge/munge.key ]; then
