@@ -1,8 +1,8 @@
 """What tests/test_released_code.py and tests/test_whole_run.py need to run the authors' released code
-(openai/phasic-policy-gradient) in this process: where it is (tools/released.py), a single-process stand-in for mpi4py to import it with,
-its model built as its train.py builds it (or around one of our trunks), the map from our PPGAgent's parameters to its
-PhasicValueModel's, an optimizer that records each step's gradients, and the released code run in float64. Nothing of
-the released code is copied here: it is imported from its own folder."""
+(openai/phasic-policy-gradient) in this process: where it is (tools/released.py), a single-process stand-in for
+mpi4py to import it with, its model built as its train.py builds it (or around one of our trunks), the map from our
+PPGAgent's parameters to its PhasicValueModel's, an optimizer that records each step's gradients, and the released
+code run in float64. Nothing of the released code is copied here: it is imported from its own folder."""
 
 import contextlib
 import math

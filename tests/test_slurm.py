@@ -3,7 +3,7 @@ runs first). Without one, these tests skip and the suite's last lines say how to
 
 One sweep of four tiny Procgen runs is submitted as one job array, on a CPU partition (--gpus-per-job 0), and each
 run meets one way a job stops, all at once (a requeued job waits about 2 minutes before SLURM starts it again, so
-they must overlap; the test starts a requeued job at once instead, with `scontrol update StartTime=now`):
+they must overlap; the test starts a requeued job as soon as SLURM can, with `scontrol update StartTime=now`):
 - seed 1 reaches its time limit: after its first checkpoint the job's limit is lowered to 3 minutes past the minutes
   it has run, so that SLURM sends its warning signal (USR2, --signal-delay-s before the limit) at its next check, and
   submitit requeues the job.
