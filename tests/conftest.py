@@ -161,6 +161,25 @@ def copy_run(run, cwd: pathlib.Path) -> pathlib.Path:
     return target
 
 
+def assert_same(a, b, where: str) -> None:
+    """a == b exactly, through dicts, lists and tuples: the same keys and lengths, tensors of one dtype and shape with
+    every element equal, other values of one type and equal (1 and 1.0 differ). A dict and an OrderedDict of the same
+    items are the same (a module's state_dict() against a copy of it)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.cpu(), b.cpu()), f"{where}: differs by up to {(a.double() - b.double()).abs().max():.3g}"
+    else:
+        assert type(a) is type(b) and a == b, where
+
+
 # CleanRL's names of four flags, as the scripts' __main__ block maps them (tests/test_first_hour.py checks the two agree)
 ALIASES = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
 

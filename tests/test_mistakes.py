@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import TINY_FLAGS, copy_run, load_script, main_in_process
+from conftest import TINY_FLAGS, assert_same, copy_run, load_script, main_in_process
 
 
 def tiny(script, *extra):
@@ -198,26 +198,12 @@ def test_resume_restores_every_state_the_stopped_run_held(name, tiny_run, tmp_pa
     )
     main_in_process(script, ["--resume", str(run), "--total-timesteps", "448"], tmp_path, monkeypatch)
 
-    def equal(a, b, where):
-        if isinstance(a, dict):
-            assert a.keys() == b.keys(), where
-            for k in a:
-                equal(a[k], b[k], f"{where}.{k}")
-        elif isinstance(a, (list, tuple)):
-            assert len(a) == len(b), where
-            for i, (x, y) in enumerate(zip(a, b)):
-                equal(x, y, f"{where}[{i}]")
-        elif isinstance(a, torch.Tensor):
-            assert torch.equal(a.cpu(), b.cpu()), where
-        else:
-            assert a == b, where
-
     assert seen["normalizer"] == saved["reward_normalizer"] and saved["reward_normalizer"]["count"] > 1
-    equal(seen["agent"], saved["agent"], "agent")
+    assert_same(seen["agent"], saved["agent"], "agent")
     # the policy update is the first use after the resume, so it sees the checkpoint's Adam state as it was
-    equal(seen["policy_optimizer"]["state"], saved["policy_optimizer"]["state"], "policy_optimizer")
+    assert_same(seen["policy_optimizer"]["state"], saved["policy_optimizer"]["state"], "policy_optimizer")
     # the aux phase comes 2 rollouts later: its Adam has not stepped since the checkpoint
-    equal(seen["aux_optimizer"]["state"], saved["aux_optimizer"]["state"], "aux_optimizer")
+    assert_same(seen["aux_optimizer"]["state"], saved["aux_optimizer"]["state"], "aux_optimizer")
     assert len(seen["aux_optimizer"]["state"]) == len(saved["agent"])
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PATIENCE_S, ROOT, load_script, main_in_process
+from conftest import PATIENCE_S, ROOT, assert_same, load_script, main_in_process
 
 # 3 rollouts of 2 envs x 16 steps, one a phase (N_pi 1): checkpoints after phases 1 and 2 (each after its aux phase of
 # 2 epochs, 2 minibatches each) and 3. Dodgeball ends random episodes within a rollout; 2 PPO minibatches a rollout.
@@ -58,24 +58,6 @@ def scalars(run: pathlib.Path) -> dict:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags}
 
 
-def same(a, b, where="checkpoint") -> None:
-    """a == b exactly, through dicts, lists and tuples (tensors: equal dtype, shape and every element)."""
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: differs by up to {(a.double() - b.double()).abs().max():.3g}"
-    else:
-        assert a == b, where
-
-
 def assert_the_unbroken_run(run: pathlib.Path, unbroken: pathlib.Path) -> None:
     ours, theirs = (torch.load(r / "checkpoint.pt", weights_only=True) for r in (run, unbroken))
     assert ours["phase"] == 3 and ours["global_step"] == 96
@@ -83,7 +65,7 @@ def assert_the_unbroken_run(run: pathlib.Path, unbroken: pathlib.Path) -> None:
         for key in NOT_COMPARED:
             state.pop(key)
         state["args"].pop("resume")  # the resumed start's flag
-    same(ours, theirs)
+    assert_same(ours, theirs, "checkpoint")
     ours, theirs = scalars(run), scalars(unbroken)
     assert theirs["charts/episodic_return"] and len(theirs["aux/clone_kl"]) == 4  # episodes ended; 2 aux phases
     assert ours.keys() == theirs.keys()

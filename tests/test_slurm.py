@@ -30,7 +30,7 @@ import types
 import pytest
 import torch
 
-from conftest import PATIENCE_S, ROOT, sweep
+from conftest import PATIENCE_S, ROOT, assert_same, sweep
 
 START = "sudo tools/slurm/start.sh"
 SKIP_LINE = f"no SLURM scheduler answers here (sinfo); to run them: {START} (a one-node SLURM from Debian's packages)"
@@ -319,19 +319,10 @@ def test_without_a_scheduler_the_tests_skip_saying_how_to_start_one():
     assert f"SLURM: the tests of tests/test_slurm.py skipped: {SKIP_LINE}" in lines, done.stdout[-2000:]
 
 
-def tensors(state) -> dict:
-    """Every tensor of a nested state dict, by its path."""
-    if isinstance(state, torch.Tensor):
-        return {"": state}
-    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else []
-    return {f"{k}/{path}": t for k, v in items for path, t in tensors(v).items()}
-
-
 # The exact resume of ppg_procgen.py (its checkpoint holds each env's state and every random generator's) makes a
 # requeued run the run unbroken; the tests above show that it did resume (from its checkpoint, no step logged twice)
 def test_a_requeued_run_ends_bit_identical_to_the_run_unbroken(slurm_runs):
     for seed in (SEEDS["time_limit"], SEEDS["requeued"]):
         resumed, unbroken = (final_state(f) for f in (slurm_runs.folder[seed], slurm_runs.unbroken[seed]))
         for part in ("agent", "policy_optimizer", "aux_optimizer", "value_optimizer"):
-            a, b = tensors(resumed[part]), tensors(unbroken[part])
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (seed, part)
+            assert_same(resumed[part], unbroken[part], f"seed {seed}: {part}")
