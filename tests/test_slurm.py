@@ -261,16 +261,9 @@ def test_the_sweep_submits_one_array_that_asks_for_no_gpu(slurm_runs):
     assert "gpu" not in script.lower() and "gres" not in script  # a CPU partition: no GPU asked for
 
 
-def test_a_job_at_its_time_limit_is_requeued_and_resumes_from_its_checkpoint(slurm_runs):
-    run = slurm_runs.folder[SEEDS["time_limit"]]
-    first, second = starts(run)
-    assert "stopped by SIGTERM; resume with:" in first and first.rstrip().endswith("exit 143"), first[-500:]
-    assert " --resume " in second.splitlines()[1] and "resumed from " in second and second.rstrip().endswith("exit 0")
-    assert_ends_right(run)
-
-
-def test_a_job_requeued_by_scontrol_resumes_from_its_checkpoint(slurm_runs):
-    run = slurm_runs.folder[SEEDS["requeued"]]
+@pytest.mark.parametrize("how", ["time_limit", "requeued"])  # SLURM's USR2 before the limit; `scontrol requeue`
+def test_a_job_requeued_after_its_first_checkpoint_resumes_from_it(slurm_runs, how):
+    run = slurm_runs.folder[SEEDS[how]]
     first, second = starts(run)
     assert "stopped by SIGTERM; resume with:" in first and first.rstrip().endswith("exit 143"), first[-500:]
     assert " --resume " in second.splitlines()[1] and "resumed from " in second and second.rstrip().endswith("exit 0")
