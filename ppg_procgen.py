@@ -1,18 +1,17 @@
-"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Procgen (IMPALA CNN), one file read top to bottom.
-Flags: `Args`, `make_plan`; networks: `PPGAgent` (`AgentOutput`, `extra_heads`); losses: `policy_phase_loss` and
-`aux_phase_loss`; B's per-step arrays: `buffer_fields`; targets: `compute_targets`; Algorithm 1: `main()`."""
+"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Procgen: flags, env, networks, losses, the
+buffer B (`buffer_fields`), the phases, the run around them (`setup`), and Algorithm 1 (`main`)."""
 
 import dataclasses
-import importlib.util
+import fcntl
 import math
 import os
 import random
-import resource
+import shutil
 import signal
 import sys
 import time
 from collections import defaultdict, deque
-from typing import Annotated, Dict, List, Literal, NamedTuple, Optional, Tuple
+from typing import Dict, Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -21,122 +20,135 @@ import torch.nn.functional as F
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-PROCGEN_GAMES = "bigfish bossfight caveflyer chaser climber coinrun dodgeball fruitbot heist jumper leaper maze miner"
-PROCGEN_GAMES = tuple(f"{PROCGEN_GAMES} ninja plunder starpilot".split())  # the 16 games
+PROCGEN_GAMES = tuple(
+    "bigfish bossfight caveflyer chaser climber coinrun dodgeball fruitbot"
+    " heist jumper leaper maze miner ninja plunder starpilot".split()
+)
 OBS_SHAPE = (64, 64, 3)  # HWC uint8, as Procgen emits it
-NUM_ACTIONS = 15  # every Procgen game uses the same 15-action set
-ACTIVATION_BYTES = 1_525_000  # a state's in one trunk's update, fp32: 1.22 MB measured (docs/runs.md), +25%
-CPU_STEPS_PER_S = 60  # a whole PPG phase at the defaults, fp32, on 2 cores of an AMD EPYC (docs/benchmarks.md)
+NUM_ACTIONS = 15  # every Procgen game has the same 15 actions
+# A state's activations in a network's update, fp32: 1.22 MB (docs/runs.md) + 25%
+ACTIVATION_BYTES = 1_525_000
 SCRIPT = os.path.basename(__file__)
 
 
 @dataclasses.dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # run name: {env_id}__{exp_name}__{seed}__{time}
-    seed: int = 1  # seed of python, numpy, torch and the level sequence, in [0, 2^31)
-    torch_deterministic: bool = True  # if toggled, `torch.backends.cudnn.deterministic=True`
-    cuda: bool = True  # if toggled and a GPU is visible, train on it (the buffers live there too)
-    resume: Optional[str] = None  # go on with the run in this folder (or checkpoint file)
-    track: bool = False  # if toggled, mirror every TensorBoard scalar to Weights & Biases
+    exp_name: str = SCRIPT[:-3]  # runs/{env_id}__{exp_name}__{seed}__{time}
+    seed: int = 1  # seeds python, numpy, torch and the levels; in [0, 2^31)
+    cuda: bool = True  # if toggled, train on a GPU where one is visible
+    resume: Optional[str] = None  # go on with the run in this folder (or checkpoint)
+    track: bool = False  # if toggled, mirror the log to W&B
     wandb_project_name: str = "ppg"  # the W&B project of --track
-    wandb_entity: Optional[str] = None  # the W&B user or team of --track (None: yours)
+    wandb_entity: Optional[str] = None  # the W&B user or team
     env_id: Literal[PROCGEN_GAMES] = "bigfish"  # the Procgen game
-    distribution_mode: Literal["easy", "hard"] = "easy"  # `easy` (25M steps), `hard` (the PPG paper)
-    num_levels: int = 0  # number of training levels; 0 trains on the full level distribution
+    distribution_mode: Literal["easy", "hard"] = "easy"  # hard: the PPG paper's
+    num_levels: int = 0  # training levels (0: the full level distribution)
     start_level: int = 0  # the first training level's seed
-    total_timesteps: int = 25_000_000  # env steps in all (rounded up to whole rollouts)
-    learning_rate: float = 5e-4  # Adam learning rate of both phases (constant, as in the paper)
-    anneal_lr: bool = False  # if toggled, every Adam's rate falls linearly to 0 over the run (CleanRL)
-    num_envs: int = 64  # parallel envs (256, with 16 aux minibatch trajectories: the paper's batch)
-    num_steps: int = 256  # steps per env in each rollout
-    gamma: float = 0.999  # discount factor of GAE and the value targets
-    gae_lambda: float = 0.95  # lambda of generalised advantage estimation
-    norm_reward: bool = True  # if toggled, scale rewards by the running std of their discounted return
-    reward_norm_gamma: float = 0.99  # discount of that return (0.99 in the released code)
-    num_minibatches: int = 8  # PPO minibatches per epoch in the policy phase
-    clip_coef: float = 0.2  # PPO's clipping coefficient epsilon of L_clip (0: no clipping)
-    kl_penalty: float = 0.0  # weight of L_KL's penalty 0.5 mean(log ratio^2) (the paper: --clip-coef 0 --kl-penalty 1)
+    total_timesteps: int = 25_000_000  # env steps (rounded up to whole rollouts)
+    learning_rate: float = 5e-4  # Adam's rate in both phases (constant, as released)
+    num_envs: int = 64  # parallel envs (the paper: 256, --aux-mb-trajectories 16)
+    num_steps: int = 256  # steps of each env in a rollout
+    gamma: float = 0.999  # discount of GAE and the value targets
+    gae_lambda: float = 0.95  # lambda of GAE
+    norm_reward: bool = True  # if toggled, divide rewards by their return's std
+    reward_norm_gamma: float = 0.99  # the discount of that return (as released)
+    num_minibatches: int = 8  # PPO minibatches an epoch
+    clip_coef: float = 0.2  # epsilon of PPO's L_clip (0: no clipping)
+    kl_penalty: float = 0.0  # L_KL's weight (L_KL: --clip-coef 0 --kl-penalty 1)
     ent_coef: float = 0.01  # entropy bonus coefficient
-    max_grad_norm: float = 0.0  # clip each network's gradient norm (0: none, as in the paper)
-    arch: Literal["dual", "detach", "shared"] = "dual"  # dual: 2 networks; detach: V on detached trunk; shared: PPO
-    n_pi: Annotated[int, tyro.conf.arg(aliases=["--n-iteration"])] = 32  # N_pi: rollouts a phase
-    e_pi: Annotated[int, tyro.conf.arg(aliases=["--e-policy"])] = 1  # E_pi: policy epochs a rollout
-    e_v: int = 1  # E_V: value epochs a rollout (with E_pi == E_V one step trains both losses)
-    e_aux: Annotated[int, tyro.conf.arg(aliases=["--e-auxiliary"])] = 6  # E_aux: aux epochs a phase (0: none)
-    beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux phase's joint loss
-    aux_mb_trajectories: Annotated[int, tyro.conf.arg(aliases=["--num-aux-rollouts"])] = 4  # per aux minibatch
-    aux_kl_stop: float = 0.0  # KL guard: end the aux phase after an epoch whose mean KL(pi_old || pi) > this (0: off)
-    micro_batch_size: Optional[int] = None  # states a forward/backward chunk (0: whole minibatches; None: 256 on CPU)
-    precision: Literal["fp32", "tf32", "bf16"] = "fp32"  # `tf32`: TF32 on a GPU (a CPU: fp32); `bf16`: trunks in bf16
+    max_grad_norm: float = 0.0  # clip each network's gradient norm (0: off)
+    # dual: 2 networks; detach: V on the policy trunk's detached features; shared: PPO
+    arch: Literal["dual", "detach", "shared"] = "dual"
+    n_pi: int = 32  # N_pi: rollouts a phase
+    e_pi: int = 1  # E_pi: policy epochs
+    e_v: int = 1  # E_V: value epochs a rollout
+    e_aux: int = 6  # E_aux (0: no aux)
+    beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux loss
+    aux_mb_trajectories: int = 4  # trajectories (rows of B) in an aux minibatch
+    aux_kl_stop: float = 0.0  # stop the aux phase once an epoch's KL(pi_old || pi) > this
+    micro_batch_size: Optional[int] = None  # states a backward chunk (0: all; None: auto)
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"  # tf32: a GPU's; bf16: the trunks'
 
 
-def make_plan(args: Args, start_step: int = 0, start_phase: int = 0) -> Dict[str, int]:
-    """Refuse in one line what tyro takes but a run cannot use; derive its counts (a resume's: from its checkpoint)."""
-    at_least_1, fraction = ("be at least 1", lambda v: v >= 1), ("be a finite number in [0, 1]", lambda v: 0 <= v <= 1)
-    at_least_0 = ("be a finite number >= 0", lambda v: 0 <= v < math.inf)  # nan and inf fail every rule
-    positive = ("be a finite number > 0", lambda v: 0 < v < math.inf)
-    rules = dict(num_envs=at_least_1, num_steps=at_least_1, num_minibatches=at_least_1, n_pi=at_least_1)
-    rules.update(e_pi=at_least_1, e_v=at_least_1, total_timesteps=at_least_1, aux_mb_trajectories=at_least_1)
-    rules.update(e_aux=at_least_0, micro_batch_size=at_least_0, beta_clone=at_least_0, ent_coef=at_least_0)
-    rules.update(aux_kl_stop=at_least_0, max_grad_norm=at_least_0, num_levels=at_least_0, start_level=at_least_0)
-    rules.update(learning_rate=positive, clip_coef=at_least_0, kl_penalty=at_least_0, gamma=fraction)
-    rules.update(gae_lambda=fraction, reward_norm_gamma=fraction)
-    rules.update(seed=("lie in [0, 2^31) (the envs take 31-bit seeds)", lambda v: 0 <= v < 2**31))
-    for name, (rule, ok) in rules.items():
-        value = getattr(args, name)
-        if value is not None and not ok(value):
-            sys.exit(f"error: --{name.replace('_', '-')} must {rule} (got {value})")
+def make_plan(args: Args, start_step: int = 0, start_phase: int = 0):
+    positive = ["num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v"]
+    positive += ["total_timesteps", "aux_mb_trajectories", "learning_rate"]
+    for name, value in vars(args).items():
+        if type(value) not in (int, float):
+            continue
+        rule, ok = ">= 0", 0 <= value < math.inf  # nan fails
+        if name in positive:
+            rule, ok = "> 0", 0 < value < math.inf
+        if name in ["gamma", "gae_lambda", "reward_norm_gamma"]:
+            rule, ok = "in [0, 1]", 0 <= value <= 1
+        if name == "seed":
+            rule, ok = "in [0, 2^31)", 0 <= value < 2**31
+        if not ok:
+            sys.exit(f"error: --{name.replace('_', '-')} must be a finite number {rule} (got {value})")
     if args.clip_coef == 0 and args.kl_penalty == 0:
-        sys.exit("error: --clip-coef 0 leaves the policy step unbounded: give --kl-penalty > 0 too (L_KL), or clip")
+        sys.exit("error: --clip-coef 0 leaves the policy step unbounded: add --kl-penalty 1")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
-        sys.exit(f"error: --num-minibatches {args.num_minibatches} does not divide a rollout's {batch_size} states")
-    num_iterations = math.ceil(args.total_timesteps / batch_size)  # round UP: never train less than asked
+        sys.exit(f"error: --num-minibatches must divide a rollout's {batch_size} states")
+    num_iterations = math.ceil(args.total_timesteps / batch_size)
     phases_left = math.ceil((num_iterations - start_step // batch_size) / args.n_pi)
-    aux_phases = phases_left - 1 if args.e_aux > 0 and phases_left > 0 else 0  # none after the last rollout
-    trajectories = args.n_pi * args.num_envs if aux_phases else args.num_envs  # the rows of the buffer B
+    aux_phases = 0  # none after the last rollout
+    if args.e_aux > 0 and phases_left > 0:
+        aux_phases = phases_left - 1
+    trajectories = args.num_envs
+    if aux_phases:
+        trajectories = args.n_pi * args.num_envs
     if aux_phases and trajectories % args.aux_mb_trajectories:
-        sys.exit(f"error: --aux-mb-trajectories {args.aux_mb_trajectories} does not divide B's {trajectories} rows")
-    num_phases = start_phase + phases_left
-    return dict(num_iterations=num_iterations, num_phases=num_phases, aux_phases=aux_phases, trajectories=trajectories)
+        sys.exit(f"error: --aux-mb-trajectories must divide B's {trajectories} trajectories")
+    plan = dict(num_iterations=num_iterations, num_phases=start_phase + phases_left)
+    return dict(plan, aux_phases=aux_phases, trajectories=trajectories)
 
 
 class ProcgenVecEnv:
-    """uint8 HWC frames, raw rewards, dones, finished episodes; a done=True step's frame starts the next episode."""
-
-    RESUME = "exact: every env, random stream and tracker restored, so the run goes on as if never stopped"
+    RESUME = "exact: every env, random stream and tracker restored"
+    NEW_GAMES = False  # on resume
 
     def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int):
-        if importlib.util.find_spec("gym_notices"):  # gym 0.26 (procgen's dependency) prints a notice from this table
-            __import__("gym_notices.notices").notices.notices.clear()
-        from procgen import ProcgenEnv  # imported here: the flags are checked before gym loads
+        try:  # gym 0.26 (procgen's) prints a notice from this table at import
+            from gym_notices import notices
 
-        levels = dict(num_levels=num_levels, start_level=start_level, distribution_mode=args.distribution_mode)
-        self.env = ProcgenEnv(num_envs, args.env_id, rand_seed=seed, **levels)
+            notices.notices.clear()
+        except ImportError:
+            pass
+        from procgen import ProcgenEnv  # after the flags are checked
+
+        levels = dict(num_levels=num_levels, start_level=start_level)
+        mode = args.distribution_mode
+        self.env = ProcgenEnv(num_envs, args.env_id, distribution_mode=mode, rand_seed=seed, **levels)
+        self.gym3_env = self.env.env  # under the wrapper: it saves and restores envs
         self.num_envs, self.num_actions = num_envs, self.env.action_space.n
-        self.returns, self.lengths = np.zeros(num_envs, dtype=np.float64), np.zeros(num_envs, dtype=np.int64)
+        self.returns = np.zeros(num_envs, dtype=np.float64)
+        self.lengths = np.zeros(num_envs, dtype=np.int64)
 
-    def reset(self) -> np.ndarray:  # the frames to act on: a new env's first, a restored env's current (gym3's observe)
-        return self.env.env.observe()[1]["rgb"]
+    def reset(self):
+        return self.gym3_env.observe()[1]["rgb"]
 
-    def state_dict(self) -> Dict:  # each env's game, level sequence and RNG (about 30 KB), and its episode so far
-        return dict(games=self.env.env.get_state(), returns=self.returns.tolist(), lengths=self.lengths.tolist())
+    def state_dict(self):
+        games = self.gym3_env.get_state()
+        return dict(games=games, returns=self.returns.tolist(), lengths=self.lengths.tolist())
 
-    def load_state_dict(self, state: Dict) -> None:  # Procgen restores each env exactly: the run goes on as unbroken
-        self.env.env.set_state(state["games"])
-        self.returns[:], self.lengths[:] = state["returns"], state["lengths"]
+    def load_state_dict(self, state):
+        self.gym3_env.set_state(state["games"])
+        self.returns[:] = state["returns"]
+        self.lengths[:] = state["lengths"]
 
-    def step(self, actions: np.ndarray):
+    def step(self, actions):
         obs, rewards, dones, _ = self.env.step(actions.astype(np.int32))
         self.returns += rewards
         self.lengths += 1
         finished = [(i, float(self.returns[i]), int(self.lengths[i])) for i in np.flatnonzero(dones)]
-        self.returns[dones], self.lengths[dones] = 0.0, 0
+        self.returns[dones] = 0.0
+        self.lengths[dones] = 0
         return obs["rgb"], rewards, dones, finished
 
 
-def normed_init_(layer: nn.Module, scale: float) -> nn.Module:
-    """The released code's "normed" init: each output unit's weight vector rescaled to L2 norm `scale`; bias 0."""
+def normed_init_(layer, scale: float):
+    """As released: each output unit's weights scaled to L2 norm `scale`; bias 0."""
     with torch.no_grad():
         w = layer.weight
         w.mul_(scale / w.flatten(1).norm(dim=1).view(-1, *[1] * (w.dim() - 1)))
@@ -155,112 +167,119 @@ class ResidualBlock(nn.Module):
 
 
 class ImpalaEncoder(nn.Module):
-    """uint8 HWC frames -> 256 features: 3 stacks of conv, maxpool and 2 residual blocks; flatten, relu, dense, relu."""
-
-    def __init__(self, obs_shape: Tuple[int, ...], channels=(16, 32, 32), out_features=256):
+    def __init__(self, obs_shape, channels=(16, 32, 32), out_features=256):
         super().__init__()
         h, w, c = obs_shape
-        # The released code's scales: each stack 1/sqrt(3), each of its 2 blocks 1/sqrt(2) of that, over 2 convs
+        # As released: 1/sqrt(3) a stack, over 2 blocks, over 2 convs
         res_scale = math.sqrt(1 / math.sqrt(len(channels)) / math.sqrt(2))
         layers = []
         for out in channels:
-            layers += [normed_init_(nn.Conv2d(c, out, 3, padding=1), 1.0), nn.MaxPool2d(3, stride=2, padding=1)]
-            layers += [ResidualBlock(out, res_scale), ResidualBlock(out, res_scale)]
+            layers.append(normed_init_(nn.Conv2d(c, out, 3, padding=1), 1.0))
+            layers.append(nn.MaxPool2d(3, stride=2, padding=1))
+            layers.append(ResidualBlock(out, res_scale))
+            layers.append(ResidualBlock(out, res_scale))
             c, h, w = out, (h + 1) // 2, (w + 1) // 2
         self.convs = nn.Sequential(*layers)
         self.dense = normed_init_(nn.Linear(c * h * w, out_features), 1.4)
         self.out_features = out_features
 
-    def forward(self, obs_uint8: torch.Tensor) -> torch.Tensor:
-        # The one place frames become floats; permute() keeps the NHWC memory order (channels_last: faster on a CPU)
+    def forward(self, obs_uint8):
+        # The one place frames become floats; permute keeps NHWC memory order (faster on a CPU)
         x = self.convs(obs_uint8.permute(0, 3, 1, 2).float().div_(255.0))
         return F.relu(self.dense(F.relu(x.flatten(1))))
 
 
-class AgentOutput(NamedTuple):  # what the network returns, by name: no call site unpacks it by position
-    logits: torch.Tensor  # the policy's logits, fp32
-    value: torch.Tensor  # V: the true value head
-    aux_value: torch.Tensor  # V_aux: the auxiliary value head, on the policy trunk
-    features: torch.Tensor  # the policy trunk's features (fp32)
-    heads: Dict[str, torch.Tensor] = {}  # the outputs of PPGAgent.extra_heads, by name
+class AgentOutput(NamedTuple):  # read by name, never by position
+    logits: torch.Tensor
+    value: torch.Tensor
+    aux_value: torch.Tensor
+    heads: Dict[str, torch.Tensor] = {}  # extra_heads' outputs
 
 
 class PPGAgent(nn.Module):
-    """Policy network: trunk, policy head, aux value head; the true value head where --arch puts it (see Args.arch)."""
-
-    def __init__(self, args: Args, obs_shape: Tuple[int, ...], num_actions: int):
+    def __init__(self, args: Args, obs_shape, num_actions: int):
         super().__init__()
         self.arch, self.bf16 = args.arch, args.precision == "bf16"
         self.pi_trunk = ImpalaEncoder(obs_shape)
         width = self.pi_trunk.out_features
-        self.pi_head = normed_init_(nn.Linear(width, num_actions), 0.1)  # every head: normed, scale 0.1 (released)
+        # Every head: normed, scale 0.1, as released
+        self.pi_head = normed_init_(nn.Linear(width, num_actions), 0.1)
         self.aux_value_head = normed_init_(nn.Linear(width, 1), 0.1)
         self.v_trunk = ImpalaEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = normed_init_(nn.Linear(width, 1), 0.1)
-        # A new head: extra_heads["x"] = a layer, under its flag (its init shifts every later draw); out.heads["x"]
+        # A new head: extra_heads["x"] = a layer (under its flag: its init shifts later draws)
         self.extra_heads = nn.ModuleDict()
 
-    def forward(self, obs: torch.Tensor, terms=("policy", "value")) -> AgentOutput:
-        """Every output; with `dual`, one term runs its network alone (pi_old, E_pi != E_V epochs), the other's None."""
-        # The one place precision is chosen: with bf16 the trunks run under autocast; heads and losses stay fp32
+    def forward(self, obs, terms=("policy", "value")) -> AgentOutput:
+        """With dual, a term alone runs its network alone (the other's outputs: None)."""
+        h, v = None, None
+        # bf16: the trunks under autocast; heads and losses in fp32
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
-            h = self.pi_trunk(obs).float() if "policy" in terms or self.arch != "dual" else None
-            v = self.v_trunk(obs).float() if self.arch == "dual" and "value" in terms else None
-        if self.arch != "dual":
-            v = h.detach() if self.arch == "detach" else h
-        logits = None if h is None else self.pi_head(h)
-        value = None if v is None else self.value_head(v).squeeze(-1)
-        aux_value = None if h is None else self.aux_value_head(h).squeeze(-1)
-        heads = {name: head(h) for name, head in self.extra_heads.items()} if h is not None else {}
-        return AgentOutput(logits=logits, value=value, aux_value=aux_value, features=h, heads=heads)
+            if "policy" in terms or self.arch != "dual":
+                h = self.pi_trunk(obs).float()
+            if "value" in terms and self.arch == "dual":
+                v = self.v_trunk(obs).float()
+        if self.arch == "detach":
+            v = h.detach()
+        if self.arch == "shared":
+            v = h
+        logits, value, aux_value, heads = None, None, None, {}
+        if h is not None:
+            logits = self.pi_head(h)
+            aux_value = self.aux_value_head(h).squeeze(-1)
+            heads = {name: head(h) for name, head in self.extra_heads.items()}
+        if v is not None:
+            value = self.value_head(v).squeeze(-1)
+        return AgentOutput(logits, value, aux_value, heads)
 
-    def value_parameters(self) -> List[nn.Parameter]:  # theta_V: the value network (dual) or its head alone
-        return [*(self.v_trunk.parameters() if self.v_trunk is not None else []), *self.value_head.parameters()]
+    def value_parameters(self):  # theta_V
+        trunk = list(self.v_trunk.parameters()) if self.v_trunk else []
+        return trunk + list(self.value_head.parameters())
 
-    def policy_parameters(self) -> List[nn.Parameter]:  # theta_pi: all the rest, and any head a hack adds
+    def policy_parameters(self):  # theta_pi
         value = {id(p) for p in self.value_parameters()}
         return [p for p in self.parameters() if id(p) not in value]
 
 
-def moments(x: torch.Tensor) -> Tuple[float, float, float]:
-    """(count, mean, population variance) of x's elements, in float64."""
+def moments(x: torch.Tensor):
     x = x.double()
     n, total, squares = torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()]).tolist()
     return n, total / n, max(squares / n - (total / n) ** 2, 0.0)
 
 
 class RewardNormalizer:
-    """Rewards over the running std of their discounted return (no mean), clipped; a rollout at a time, as released."""
+    """Rewards over the running std of their discounted return, clipped, as released."""
 
-    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0, epsilon: float = 1e-8):
-        self.gamma, self.clip, self.epsilon = gamma, clip, epsilon
+    def __init__(self, num_envs: int, gamma: float):
+        self.gamma = gamma
         self.ret = np.zeros(num_envs, dtype=np.float64)
         self.mean, self.var, self.count = 0.0, 1.0, 1e-4
 
-    def __call__(self, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
+    def __call__(self, rewards: np.ndarray, dones: np.ndarray):
         rets = np.empty(rewards.shape, dtype=np.float64)
         for t in range(rewards.shape[1]):
             self.ret = self.ret * self.gamma + rewards[:, t]
             rets[:, t] = self.ret
             self.ret[dones[:, t]] = 0.0  # the episode ended with this reward
+        # Chan et al.'s merge of the rollout's moments into the running ones
         n, mean, var = moments(torch.from_numpy(rets))
-        delta, total = mean - self.mean, self.count + n  # the parallel (Chan et al.) merge of the rollout's moments
+        delta, total = mean - self.mean, self.count + n
         self.mean += delta * n / total
-        self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
-        self.count = total
-        return np.clip(rewards / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
+        m2 = self.var * self.count + var * n + delta**2 * self.count * n / total
+        self.var, self.count = m2 / total, total
+        return np.clip(rewards / np.sqrt(self.var + 1e-8), -10, 10).astype(np.float32)
 
-    def state_dict(self) -> Dict:  # `ret`: each env's discounted return so far, which the next rollout goes on with
-        return dict(mean=float(self.mean), var=float(self.var), count=float(self.count), ret=self.ret.tolist())
+    def state_dict(self):
+        return dict(mean=self.mean, var=self.var, count=self.count, ret=self.ret.tolist())
 
-    def load_state_dict(self, state: Dict) -> None:
+    def load_state_dict(self, state):
         self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
-        self.ret = np.array(state.get("ret", self.ret), dtype=np.float64)  # a checkpoint from before `ret`: zeros
+        self.ret = np.array(state["ret"], dtype=np.float64)
 
 
 def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
-    """GAE over (num_envs, num_steps) tensors; ended[:, t]: step t ended its episode (the value after it is 0)."""
-    advantages, last = torch.zeros_like(rewards), torch.zeros_like(next_value)
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[1])):
         following = next_value if t == rewards.shape[1] - 1 else values[:, t + 1]
         alive = 1.0 - ended[:, t].float()
@@ -271,101 +290,104 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
 
 
 def kl_divergence(p_logits, q_logits):
-    """KL(p || q) of the categoricals with these logits, exact over all actions, averaged over states."""
     p_logp = F.log_softmax(p_logits, dim=-1)
     return (p_logp.exp() * (p_logp - F.log_softmax(q_logits, dim=-1))).sum(-1).mean()
 
 
-def policy_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args, terms=("policy", "value")):
-    """(L_clip or L_KL's surrogate - entropy bonus: `policy`) + 0.5 MSE of V (`value`) on a chunk: (loss, stats)."""
+# A loss sees a chunk of a minibatch (gradient_step): a statistic over it (a std, say) is the chunk's
+def policy_phase_loss(out: AgentOutput, mb: Dict, args: Args, terms=("policy", "value")):
     loss, stats = 0.0, {}
     if "policy" in terms:
         logprobs = F.log_softmax(out.logits, dim=-1)
         logratio = logprobs.gather(-1, mb["actions"].unsqueeze(-1)).squeeze(-1) - mb["logprobs"]
         ratio, adv = logratio.exp(), mb["advantages"]
         pg_loss = -adv * ratio
-        if args.clip_coef > 0:  # L_clip; with --clip-coef 0 the plain surrogate, bounded by L_KL's penalty instead
-            pg_loss = torch.max(pg_loss, -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef))
+        if args.clip_coef > 0:  # L_clip
+            clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss, -adv * clipped)
         pg_loss = pg_loss.mean()
-        kl_penalty = args.kl_penalty * 0.5 * logratio.pow(2).mean()  # L_KL's penalty, as the released code (0: off)
+        kl_penalty = args.kl_penalty * 0.5 * logratio.pow(2).mean()  # L_KL's, as released
         entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
         loss = loss + pg_loss + kl_penalty - args.ent_coef * entropy
         stats.update(policy_loss=pg_loss, kl_penalty=kl_penalty, entropy=entropy)
         with torch.no_grad():
-            stats.update(approx_kl=((ratio - 1) - logratio).mean())  # the low-variance k3 estimator
-            stats.update(clipfrac=((ratio - 1).abs() > args.clip_coef).float().mean())
-    if "value" in terms:
-        stats["value_loss"] = 0.5 * (out.value - mb["returns"]).pow(2).mean()  # unclipped, as in the paper
+            stats["approx_kl"] = ((ratio - 1) - logratio).mean()
+            stats["clipfrac"] = ((ratio - 1).abs() > args.clip_coef).float().mean()
+    if "value" in terms:  # unclipped, as in the paper
+        stats["value_loss"] = 0.5 * (out.value - mb["returns"]).pow(2).mean()
         loss = loss + stats["value_loss"]
     return loss, stats
 
 
-def aux_phase_loss(out: AgentOutput, mb: Dict[str, torch.Tensor], args: Args):
-    """The paper's L_joint (policy network) plus L_value (value network): (loss, stats); mb is a chunk, as above."""
+def aux_phase_loss(out: AgentOutput, mb: Dict, args: Args):
+    """L_joint (the policy network's) + L_value (the value network's)."""
     l_aux = 0.5 * (out.aux_value - mb["returns"]).pow(2).mean()
     l_clone = kl_divergence(mb["pi_old_logits"], out.logits)  # KL(pi_old || pi)
     joint = l_aux + args.beta_clone * l_clone
     l_value = 0.5 * (out.value - mb["returns"]).pow(2).mean()
-    return joint + l_value, dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
+    stats = dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
+    return joint + l_value, stats
 
 
-def buffer_fields(num_actions: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-    """Per-step arrays, name -> (a step's shape, dtype): a new target is an entry here, a line filling it, a loss."""
+def buffer_fields(num_actions: int):
+    """B's per-step arrays: name -> (shape, dtype). A new target: an entry, a line filling it, a loss."""
     return dict(
-        obs=(OBS_SHAPE, torch.uint8),  # frames stay uint8 until the network
+        obs=(OBS_SHAPE, torch.uint8),  # uint8 until the network
         actions=((), torch.long),
-        logprobs=((), torch.float32),  # log pi(a|s) of the rollout's policy
-        values=((), torch.float32),  # V(s) at rollout time
-        raw_rewards=((), torch.float32),  # the env wrapper's training rewards (Atari: clipped), before the normaliser
-        rewards=((), torch.float32),  # as trained on: scaled by the reward normaliser when --norm-reward
-        ended=((), torch.bool),  # the step ended its episode
-        advantages=((), torch.float32),  # GAE, normalised per rollout
-        returns=((), torch.float32),  # V_hat = GAE advantages + V: the value and aux targets
-        pi_old_logits=((num_actions,), torch.float32),  # pi_old, written at the start of each aux phase
+        logprobs=((), torch.float32),
+        values=((), torch.float32),
+        raw_rewards=((), torch.float32),
+        rewards=((), torch.float32),  # as trained on
+        ended=((), torch.bool),
+        advantages=((), torch.float32),
+        returns=((), torch.float32),  # V_hat
+        pi_old_logits=((num_actions,), torch.float32),
     )
 
 
 @torch.no_grad()
-def collect_rollout(agent: PPGAgent, envs, next_obs: torch.Tensor, ro: Dict[str, torch.Tensor], step: int):
-    """num_steps steps of every env into ro (its rows of B); returns next obs, step, V(next obs), finished episodes."""
-    episodes, start, say_at = [], time.time(), time.time() + 20
-    rewards, ended = np.zeros(ro["raw_rewards"].shape, np.float32), np.zeros(ro["ended"].shape, bool)  # on the host
+def collect_rollout(agent: PPGAgent, envs, next_obs, ro: Dict, step: int):
+    episodes = []
+    rewards = np.zeros(ro["raw_rewards"].shape, np.float32)
+    ended = np.zeros(ro["ended"].shape, bool)
     for t in range(ro["obs"].shape[1]):
         ro["obs"][:, t] = next_obs
         out = agent(next_obs)
-        pi = torch.distributions.Categorical(logits=out.logits, validate_args=False)  # no host sync to validate
+        pi = torch.distributions.Categorical(logits=out.logits, validate_args=False)  # no host sync
         action = pi.sample()
-        ro["actions"][:, t], ro["logprobs"][:, t], ro["values"][:, t] = action, pi.log_prob(action), out.value
+        ro["actions"][:, t] = action
+        ro["logprobs"][:, t] = pi.log_prob(action)
+        ro["values"][:, t] = out.value
         obs, rewards[:, t], ended[:, t], finished = envs.step(action.cpu().numpy())  # the step's one wait
         next_obs = torch.from_numpy(obs).to(next_obs.device)
         step += envs.num_envs
-        episodes += [(step, ep_return, length) for _, ep_return, length in finished]
-        if time.time() > say_at:  # a long rollout (a CPU's) shows within a minute that it runs: on the host clock
-            print(f"rollout: {t + 1} of {rewards.shape[1]} steps in {time.time() - start:.0f}s", flush=True)
-            say_at = math.inf
-    ro["raw_rewards"].copy_(torch.from_numpy(rewards))  # uploaded once a rollout
+        for _, ep_return, length in finished:
+            episodes.append((step, ep_return, length))
+    ro["raw_rewards"].copy_(torch.from_numpy(rewards))
     ro["ended"].copy_(torch.from_numpy(ended))
     return next_obs, step, agent(next_obs).value, episodes
 
 
-def compute_targets(ro: Dict[str, torch.Tensor], next_value, args: Args, reward_normalizer: RewardNormalizer):
-    """Into a rollout's rows of B: rewards, V_hat = GAE + V and normalised advantages. Returns explained variance."""
+def compute_targets(ro: Dict, next_value, args: Args, reward_normalizer: RewardNormalizer):
+    """Rewards, V_hat and advantages (normalised over the rollout)."""
     raw, ended, values = ro["raw_rewards"].cpu(), ro["ended"].cpu(), ro["values"].cpu()
-    rewards = torch.from_numpy(reward_normalizer(raw.numpy(), ended.numpy())) if args.norm_reward else raw
-    advantages, returns = compute_gae(rewards, values, ended, next_value.cpu(), args.gamma, args.gae_lambda)
+    rewards = raw
+    if args.norm_reward:
+        rewards = torch.from_numpy(reward_normalizer(raw.numpy(), ended.numpy()))
+    gae = compute_gae(rewards, values, ended, next_value.cpu(), args.gamma, args.gae_lambda)
+    advantages, returns = gae
     _, mean, var = moments(advantages)
     ro["rewards"].copy_(rewards)
     ro["returns"].copy_(returns)
     ro["advantages"].copy_((advantages - mean) / (math.sqrt(var) + 1e-8))
-    var_y = moments(returns)[2]
-    return 1 - moments(returns - values)[2] / var_y if var_y else math.nan
 
 
-def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args: Args, loss_of) -> Dict:
-    """One step on mb's mean loss, backpropagated in chunks weighted by their share (the same gradient, less memory)."""
+def gradient_step(agent: PPGAgent, optimizer, mb: Dict, args: Args, loss_of):
+    """One step on mb's mean loss, backpropagated in weighted chunks: less memory, same gradient."""
     n, stats = mb["obs"].shape[0], {}
-    for start in range(0, n, args.micro_batch_size or n):
-        part = slice(start, min(start + (args.micro_batch_size or n), n))
+    size = args.micro_batch_size or n
+    for start in range(0, n, size):
+        part = slice(start, min(start + size, n))
         weight = (part.stop - part.start) / n
         loss, chunk_stats = loss_of({k: v[part] for k, v in mb.items()})
         (loss * weight).backward()
@@ -375,275 +397,306 @@ def gradient_step(agent: PPGAgent, optimizer, mb: Dict[str, torch.Tensor], args:
         for network in (agent.policy_parameters(), agent.value_parameters()):
             nn.utils.clip_grad_norm_(network, args.max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)  # None: Adam skips what a loss did not reach
     return stats
 
 
-def minibatch_means(logs: Dict[str, List[torch.Tensor]], where: str) -> Dict[str, float]:
-    """Each statistic's mean over all its minibatches, in one host copy; a NaN or inf stops the run in one line."""
-    means = dict(zip(logs, torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()))  # one host copy
-    if bad := [k for k, v in means.items() if not math.isfinite(v)]:
-        sys.exit(f"error: non-finite {', '.join(bad)} in the {where}; stopped, the last checkpoint unchanged")
+def minibatch_means(logs: Dict, where: str):  # NaN or inf stops the run
+    means = dict(zip(logs, torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()))
+    bad = [k for k, v in means.items() if not math.isfinite(v)]
+    if bad:
+        sys.exit(f"error: non-finite {', '.join(bad)} in the {where}; the last checkpoint kept")
     return means
 
 
-def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict[str, torch.Tensor], args: Args, value_optimizer=None):
-    """E_pi epochs of PPO's loss and E_V of the value loss on a rollout's shuffled minibatches, as the released code."""
-    n, logs = batch["obs"].shape[0], defaultdict(list)
-    epochs = [(("policy", "value"), args.e_pi, optimizer)]
+def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict, args: Args, value_optimizer=None):
+    """E_pi policy and E_V value epochs on a rollout, as released: with E_pi == E_V a step trains
+    both losses; else the value epochs come first."""
+    schedule = [(("policy", "value"), args.e_pi, optimizer)]
     if args.e_pi != args.e_v:
-        epochs = [(("value",), args.e_v, value_optimizer), (("policy",), args.e_pi, optimizer)]
-    for terms, count, opt in epochs:
-        for _ in range(count):
+        schedule = [(("value",), args.e_v, value_optimizer), (("policy",), args.e_pi, optimizer)]
+    n, logs = batch["obs"].shape[0], defaultdict(list)
+    for terms, epochs, opt in schedule:
+
+        def loss_of(chunk):
+            return policy_phase_loss(agent(chunk["obs"], terms), chunk, args, terms)
+
+        for _ in range(epochs):
             for idx in torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches):
-                mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}  # pi_old: the aux phase's alone
-                stats = gradient_step(
-                    agent, opt, mb, args, lambda c: policy_phase_loss(agent(c["obs"], terms), c, args, terms)
-                )
-                for k, v in stats.items():
+                mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}
+                for k, v in gradient_step(agent, opt, mb, args, loss_of).items():
                     logs[k].append(v)
     return minibatch_means(logs, "policy phase")
 
 
-def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict[str, torch.Tensor], args: Args) -> List[Dict]:
-    """pi_old into B, then E_aux epochs of aux_phase_loss on minibatches of whole trajectories (fewer: the KL guard)."""
+def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict, args: Args):
+    """pi_old into B, then E_aux epochs on minibatches of whole trajectories (fewer: the KL guard)."""
     obs, epochs = buffers["obs"], []
     chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
-    # pi_old: the policy NOW (after the policy phase) on all of B; logits, so an unchanged policy has KL exactly 0
+    # pi_old: the policy after the policy phase, as logits (an unchanged policy: KL exactly 0)
     with torch.no_grad():
-        logits = [agent(part, terms=("policy",)).logits for part in obs.flatten(0, 1).split(chunk)]
+        logits = [agent(part, ("policy",)).logits for part in obs.flatten(0, 1).split(chunk)]
         buffers["pi_old_logits"].copy_(torch.cat(logits).view(*obs.shape[:2], -1))
 
-    def loss_of(c):  # the loss, and the guard's KL(pi_old || pi): clone_kl, unless a hack changes the clone loss
-        out = agent(c["obs"])
-        loss, stats = aux_phase_loss(out, c, args)
-        return loss, dict(stats, guard_kl=kl_divergence(c["pi_old_logits"], out.logits.detach()))
+    def loss_of(chunk):
+        return aux_phase_loss(agent(chunk["obs"]), chunk, args)
 
     for epoch in range(1, args.e_aux + 1):
         logs, epoch_start = defaultdict(list), time.time()
-        for traj in torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories):
-            mb = {k: v[traj].flatten(0, 1) for k, v in buffers.items()}  # whole trajectories: row blocks of B
+        for rows in torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories):
+            mb = {k: v[rows].flatten(0, 1) for k, v in buffers.items()}
             for k, v in gradient_step(agent, optimizer, mb, args, loss_of).items():
                 logs[k].append(v)
-        epochs.append(minibatch_means(logs, "auxiliary phase"))
-        losses = f"aux_value_loss {epochs[-1]['aux_value_loss']:.4f} clone_kl {epochs[-1]['clone_kl']:.5f}"
+        means = minibatch_means(logs, "auxiliary phase")
+        epochs.append(means)
+        losses = f"aux_value_loss {means['aux_value_loss']:.4f} clone_kl {means['clone_kl']:.5f}"
         print(f"aux epoch {epoch}/{args.e_aux}: {losses} ({time.time() - epoch_start:.1f}s)", flush=True)
-        if 0 < args.aux_kl_stop < epochs[-1]["guard_kl"] and epoch < args.e_aux:
-            print(f"KL guard: mean KL(pi_old || pi) {epochs[-1]['guard_kl']:.4f} > --aux-kl-stop: the aux phase stops")
+        if 0 < args.aux_kl_stop < means["clone_kl"] and epoch < args.e_aux:
+            print(f"KL guard: mean KL(pi_old || pi) {means['clone_kl']:.4f} > --aux-kl-stop: the aux phase stops")
             break
     return epochs
 
 
-def resume_args(args: Args, given: Optional[set] = None) -> Tuple[Args, Dict, str]:
-    """(the run's flags, its checkpoint, its folder); a flag in `given` (None: off its default) may change a few."""
-    path = os.path.join(args.resume, "checkpoint.pt") if os.path.isdir(args.resume) else args.resume
-    if os.path.isdir(args.resume) and not os.path.exists(path):
-        sys.exit(f"error: --resume {args.resume}: no checkpoint (it stopped before its first phase ended): start again")
+def named_flags(argv):  # --no-cuda names cuda
+    return {word[2:].split("=")[0].replace("-", "_").removeprefix("no_") for word in argv if word[:2] == "--"}
+
+
+def resume_args(args: Args, given: set):
+    """A flag in `given` (the command line's) must keep the run's value."""
+    path = args.resume
+    if os.path.isdir(path):
+        path = os.path.join(path, "checkpoint.pt")
+        if not os.path.exists(path):
+            sys.exit(f"error: --resume {path}: no checkpoint (stopped before its first phase ended)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: runs no code
+        state = torch.load(path, map_location="cpu", weights_only=True)
         if state["script"] != SCRIPT:
             raise ValueError(f"written by {state['script']}")
-    except Exception as e:  # missing, truncated, another script's, or not a torch file at all
+    except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
-    fields = [field.name for field in dataclasses.fields(Args)]
-    state["args"].pop("save_model", None)  # a flag of older versions: checkpoint.pt holds the weights
-    if unknown := sorted(set(state["args"]) - set(fields)):
-        sys.exit(f"error: --resume {path}: written by a version of {SCRIPT} with flags this one lacks: {unknown}")
+    unknown = sorted(state["args"].keys() - vars(Args()).keys())
+    if unknown:
+        sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")
     saved = dict(vars(Args()), **state["args"])
-    if given is None:
-        given = {name for name in fields if getattr(args, name) != getattr(Args(), name)}
-    allowed = ["resume", "total_timesteps", "cuda", "micro_batch_size", "track", "wandb_project_name", "wandb_entity"]
-    for name in sorted(given & set(fields)):
-        value = getattr(args, name)
-        if name not in allowed and value != saved[name]:
-            sys.exit(f"error: --{name.replace('_', '-')} {value}: a resumed run keeps its flags ({saved[name]})")
+    may_change = "resume total_timesteps cuda micro_batch_size track wandb_project_name wandb_entity".split()
+    for name in sorted(given & saved.keys()):
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if name not in may_change and value != saved[name]:
+            sys.exit(f"error: {flag} {value}: a resumed run keeps its flags ({saved[name]})")
         if name == "total_timesteps" and value < saved[name]:
-            sys.exit(f"error: --total-timesteps may only be raised on --resume (the run's: {saved[name]})")
+            sys.exit(f"error: {flag} may only be raised on --resume (the run's: {saved[name]})")
         saved[name] = value
     return Args(**saved), state, os.path.dirname(os.path.abspath(path))
 
 
-def memory_plan(args: Args, rows: Tuple[int, int], free: float, on_gpu: bool) -> Tuple[int, int, int]:
-    """(--micro-batch-size to run with, bytes of B, of a chunk's activations), or a one-line exit if over `free`."""
-    buffer_bytes = math.prod(rows) * sum(math.prod(s) * d.itemsize for s, d in buffer_fields(NUM_ACTIONS).values())
-    per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)  # `dual` runs both trunks in a step
-    largest = max(args.num_envs * args.num_steps // args.num_minibatches, args.aux_mb_trajectories * args.num_steps)
-    fits = int(max(free - buffer_bytes, 0) // per_state)  # the states whose activations fit beside B
-    chunk = 256 if args.micro_batch_size is None and not on_gpu else args.micro_batch_size  # tools/benchmark.py --sweep
-    if chunk is None:  # on a GPU: whole minibatches (0) if they fit beside B, else the largest power of 2 that does
+def memory_plan(args: Args, rows, free: float, on_gpu: bool):
+    step_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in buffer_fields(NUM_ACTIONS).values())
+    buffer_bytes = math.prod(rows) * step_bytes
+    per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)
+    ppo_minibatch = args.num_envs * args.num_steps // args.num_minibatches
+    largest = max(ppo_minibatch, args.aux_mb_trajectories * args.num_steps)
+    fits = int(max(free - buffer_bytes, 0) // per_state)
+    chunk = args.micro_batch_size
+    if chunk is None and not on_gpu:
+        chunk = 256  # the fastest on a CPU (tools/benchmark.py)
+    if chunk is None:  # a GPU's: whole minibatches if they fit, else the most that do
         chunk = 0 if fits >= largest else 2 ** max(fits.bit_length() - 1, 0)
     states = min(chunk or largest, largest)
     if states > fits:
-        gib = f"B {buffer_bytes / 2**30:.1f} GiB, chunks of {states} states {states * per_state / 2**30:.1f} GiB"
-        sys.exit(f"error: {gib}: over the {free / 2**30:.1f} GiB free: lower --n-pi, --num-envs or --micro-batch-size")
+        need = f"B {buffer_bytes / 2**30:.1f} GiB, chunks of {states} states {states * per_state / 2**30:.1f} GiB"
+        sys.exit(f"error: {need}: over {free / 2**30:.1f} GiB free: lower --n-pi, --num-envs or --micro-batch-size")
     return chunk, buffer_bytes, states * per_state
 
 
-def main(args: Args, given: Optional[set] = None) -> None:
-    # ---- Setup: every flag checked and every count derived (and printed) before any env, buffer or log exists ----
-    args, ckpt, run_dir = resume_args(args, given) if args.resume else (args, None, None)
-    phase, global_step = (ckpt["phase"], ckpt["global_step"]) if ckpt else (0, 0)
-    plan = make_plan(args, global_step, phase)
-    num_iterations, batch_size = plan["num_iterations"], args.num_envs * args.num_steps
-    iteration = global_step // batch_size
-    if ckpt and iteration >= num_iterations:  # nothing to train: no plan printed, nothing written
-        print(f"{run_dir} is trained to step {global_step:,}: nothing to do (a larger --total-timesteps trains on)")
-        return
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision == "tf32"  # cuDNN's: on
-    rows = (plan["trajectories"], args.num_steps)  # B: rows of whole trajectories, num_envs rows a rollout
-    meminfo = open("/proc/meminfo").read().split() if os.path.exists("/proc/meminfo") else ["MemAvailable:", "inf"]
-    free = 1024 * float(meminfo[meminfo.index("MemAvailable:") + 1])  # RAM the kernel can give without swapping
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free
-    micro_batch_flag = args.micro_batch_size  # checkpointed as given: a resume on another device chooses anew
-    chunk, buffer_bytes, activation_bytes = memory_plan(args, rows, free, device.type == "cuda")
-    args = dataclasses.replace(args, micro_batch_size=chunk)
-    run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = run_dir or f"runs/{run_name}"
-    rounded = " (--total-timesteps rounded up to whole rollouts)" * (num_iterations * batch_size > args.total_timesteps)
-    tf32 = " (a CPU has no TF32: plain fp32)" * (args.precision == "tf32" and device.type != "cuda")
-    first = min(args.n_pi, num_iterations - iteration) * batch_size  # env steps to the first checkpoint
-    hours = (num_iterations - iteration) * batch_size / CPU_STEPS_PER_S / 3600  # the rest of the run, on a CPU
-    cpu = f" (on a CPU: in {first / CPU_STEPS_PER_S / 60:.0f} min; all in {hours:.0f} h{', a GPU job' * (hours > 3)})"
-    print(
-        f"run {run_name} on {device}: phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: "
-        f"{num_iterations} of {args.num_envs} envs x {args.num_steps} steps = {num_iterations * batch_size:,} env steps"
-        f"{rounded}\narch={args.arch} E_pi={args.e_pi} E_V={args.e_v} E_aux={args.e_aux} beta_clone={args.beta_clone}; "
-        f"aux phases: {plan['aux_phases']}; PPO minibatch {batch_size // args.num_minibatches} states, aux minibatch "
-        f"{args.aux_mb_trajectories * args.num_steps}; B {buffer_bytes / 2**30:.2f} GiB (uint8 frames)\nprecision "
-        f"{args.precision}{tf32}; chunks of {args.micro_batch_size or 'whole minibatches of'} states "
-        f"({activation_bytes / 2**30:.2f} GiB of activations); a checkpoint after each phase, the first at step "
-        f"{global_step + first:,}{cpu * (device.type == 'cpu')}"
-    )
-    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)  # resumes restore the streams (older ones: new)
-    for seed_stream in (random.seed, np.random.seed, torch.manual_seed):
-        seed_stream(seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    try:  # a new run's folder, made exclusively: a run never writes into another's (nor starts a W&B run for it)
-        os.makedirs(run_dir, exist_ok=bool(ckpt))
-    except FileExistsError:
-        sys.exit(f"error: {run_dir} exists (a run with this --exp-name and --seed began this second): start again")
-    if args.track:  # before the writer: W&B mirrors every TensorBoard scalar; a resumed run continues its W&B run
-        config = dict(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name)
+def free_memory(device):
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = open("/proc/meminfo").read().split()
+    return 1024 * float(meminfo[meminfo.index("MemAvailable:") + 1])
+
+
+def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: str):
+    os.makedirs(run_dir, exist_ok=True)
+    # One process a run: a lock the kernel drops when the process ends, by kill -9 too
+    lock = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"error: {run_dir} is being trained by process {os.pread(lock, 12, 0).decode().strip()}")
+    os.pwrite(lock, f"{os.getpid():<12}".encode(), 0)
+    wandb_id = ckpt["wandb_id"] if ckpt else None
+    if args.track:
         try:
             import wandb  # only with --track
 
-            wandb.init(**config, id=ckpt and ckpt["wandb_id"], resume="allow", sync_tensorboard=True, save_code=True)
-        except Exception as e:  # not installed, not logged in, no network: the fix of each
-            if not ckpt:  # the new run's folder, still empty (and runs/, if it was made for it)
-                os.removedirs(run_dir)
-            fix = "pip install wandb==0.31.0" if isinstance(e, ImportError) else "wandb login, or WANDB_MODE=offline"
-            sys.exit(f"error: --track: {fix} ({type(e).__name__}: {e})"[:300])
-    if ckpt and "events" in ckpt:  # the log cut back to the checkpoint (purge_step cannot reach aux/*'s epoch axis)
-        for path in [f"{run_dir}/{name}" for name in os.listdir(run_dir) if "tfevents" in name]:
-            if os.path.basename(path) in ckpt["events"]:  # its length at the checkpoint
-                os.truncate(path, min(ckpt["events"][os.path.basename(path)], os.path.getsize(path)))
-            else:  # begun after the checkpoint
-                os.remove(path)
-    writer = SummaryWriter(run_dir, purge_step=global_step + 1 if ckpt else None)  # a resume logs no step twice
-    writer.add_text("hyperparameters", "|flag|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
-    # The env (training levels [start_level, start_level + num_levels)), the networks, the optimizers, the buffer B
-    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
-    agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)
-    optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
-    policy_optimizer, aux_optimizer, value_optimizer = optimizers  # kept across phases (value's: when E_pi != E_V)
-    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
-    fields = buffer_fields(envs.num_actions).items()  # zeros: a field a hack adds reads 0 until filled
-    buffers = {k: torch.zeros((*rows, *shape), dtype=dtype, device=device) for k, (shape, dtype) in fields}
-    recent_returns, aux_epochs_done = deque(maxlen=100), ckpt["aux_epochs_done"] if ckpt else 0
-    # All a checkpoint holds but flags and counts, in one place: each part's reader and restorer
-    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer, envs=envs)
-    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer)
-    parts = {name: (thing.state_dict, thing.load_state_dict) for name, thing in stateful.items()}
-    parts.update(python_rng=(random.getstate, random.setstate), torch_rng=(torch.get_rng_state, torch.set_rng_state))
-    parts.update(numpy_rng=(lambda: [(s := np.random.get_state())[0], s[1].tolist(), *s[2:]], np.random.set_state))
-    parts.update(recent_returns=(lambda: list(recent_returns), recent_returns.extend))  # the console's last 100
-    parts.update(dict(cuda_rng=(torch.cuda.get_rng_state, torch.cuda.set_rng_state)) if device.type == "cuda" else {})
-    if ckpt:  # (a part a checkpoint from before lacks: as a new run's)
-        for name in parts.keys() & ckpt.keys():
-            parts[name][1](ckpt[name])
-        how = envs.RESUME if "torch_rng" in ckpt else "a checkpoint from before exact resume: not the run unbroken"
-        print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}; {how}")
+            config = dict(config=vars(args), name=run_name, id=wandb_id, resume="allow", sync_tensorboard=True)
+            wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **config).id
+        except Exception as e:  # not installed, no login, no network
+            if not ckpt:
+                shutil.rmtree(run_dir)  # its lock alone
+            sys.exit(f"error: --track: {repr(e)[:200]} (pip install wandb; wandb login)")
+    return wandb_id
 
-    def stop(signum, frame):  # SIGTERM or Ctrl-C: say how to resume, exit with 128 + the signal
-        saved = os.path.exists(f"{run_dir}/checkpoint.pt")
-        how = f"resume with: python {SCRIPT} --resume {run_dir}" if saved else "no checkpoint had been written yet"
+
+def setup(args: Args, given: set):
+    """All before the envs; None if a resumed run has no steps left."""
+    ckpt, run_dir = None, None
+    if args.resume:
+        args, ckpt, run_dir = resume_args(args, given)
+    start_step = ckpt["global_step"] if ckpt else 0
+    plan = make_plan(args, start_step, ckpt["phase"] if ckpt else 0)
+    if plan["num_iterations"] * args.num_envs * args.num_steps <= start_step:
+        print(f"{run_dir} is trained to step {start_step:,}: nothing to do")
+        return None
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
+    rows = (plan["trajectories"], args.num_steps)
+    chunk, *memory = memory_plan(args, rows, free_memory(device), device.type == "cuda")
+    flags = dict(vars(args))  # as given: a resume chooses anew
+    args = dataclasses.replace(args, micro_batch_size=chunk)
+    # What a bit-identical resume needs kept
+    same = dict(threads=torch.get_num_threads(), torch=str(torch.__version__), micro_batch_size=chunk)
+    same["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = run_dir or f"runs/{run_name}"
+    wandb_id = open_run_folder(args, ckpt, run_dir, run_name)
+    header = dict(script=SCRIPT, run_name=run_name, args=flags, wandb_id=wandb_id, same=same)
+    print(f"run {run_name} on {device}, precision {args.precision}")
+    batch_size, iterations = args.num_envs * args.num_steps, plan["num_iterations"]
+    print(
+        f"phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: {iterations} of {args.num_envs} envs"
+        f" x {args.num_steps} steps = {iterations * batch_size:,} env steps; aux phases: {plan['aux_phases']}"
+    )
+    mb, aux_mb = batch_size // args.num_minibatches, args.aux_mb_trajectories * args.num_steps
+    print(f"PPO minibatch {mb} states, aux minibatch {aux_mb}; chunks of {args.micro_batch_size or 'all'} states")
+    print(f"B {memory[0] / 2**30:.2f} GiB (uint8 frames), a chunk's activations {memory[1] / 2**30:.2f} GiB")
+    changed = [f"{k} {v} -> {same[k]}" for k, v in (ckpt or header)["same"].items() if v != same[k]]
+    if changed:
+        print(f"not bit for bit the run unbroken: {', '.join(changed)}")
+    # purge_step: a resume hides all the stopped run logged after its checkpoint
+    writer = SummaryWriter(run_dir, purge_step=start_step + 1 if ckpt else None)
+    return args, ckpt, plan, device, run_dir, writer, header
+
+
+def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
+    for name, thing in stateful.items():
+        state[name] = thing.state_dict()
+    state["python_rng"] = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy_rng"] = [kind, keys.tolist(), pos, has_gauss, cached]  # weights_only reads no arrays
+    state["torch_rng"] = torch.get_rng_state()
+    if torch.cuda.is_initialized():
+        state["cuda_rng"] = torch.cuda.get_rng_state()
+    state["recent_returns"] = list(recent_returns)
+    path = os.path.join(run_dir, "checkpoint.pt")
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        os.fsync(f.fileno())  # on disk before the rename
+    os.replace(path + ".tmp", path)
+
+
+def restore(ckpt: Dict, stateful: Dict, recent_returns):
+    for name, thing in stateful.items():
+        thing.load_state_dict(ckpt[name])
+    random.setstate(ckpt["python_rng"])
+    np.random.set_state(ckpt["numpy_rng"])
+    torch.set_rng_state(ckpt["torch_rng"])
+    if "cuda_rng" in ckpt and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt["cuda_rng"])
+    recent_returns.extend(ckpt["recent_returns"])
+    if stateful["envs"].NEW_GAMES:  # each env's discounted return starts again with its game
+        stateful["reward_normalizer"].ret[:] = 0.0
+
+
+def stop_on_signals(run_dir: str):
+
+    def stop(signum, frame):
+        how = f"resume with: python {SCRIPT} --resume {os.path.abspath(run_dir)}"
+        if not os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+            how = "no checkpoint had been written yet"
         os.write(sys.stdout.fileno(), f"\nstopped by {signal.Signals(signum).name}; {how}\n".encode())
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    next_obs = torch.from_numpy(envs.reset()).to(device)  # a restored env's: the frames it stopped at
-    start_time, start_step = time.time(), global_step  # SPS and the ETA: this start's mean rate
+
+
+def main(args: Args, given: set):
+    run = setup(args, given)
+    if run is None:
+        return
+    args, ckpt, plan, device, run_dir, writer, header = run
+    phase = ckpt["phase"] if ckpt else 0
+    global_step = ckpt["global_step"] if ckpt else 0
+    num_iterations, batch_size = plan["num_iterations"], args.num_envs * args.num_steps
+    iteration = global_step // batch_size
+    # A resume restores the streams; its new envs take a seed 100_003 a phase on
+    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True
+    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
+    agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi, theta_V
+    # An Adam a phase, as released (and E_V's when E_pi != E_V), each over all parameters: a step moves
+    # those its loss reaches
+    optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
+    policy_optimizer, aux_optimizer, value_optimizer = optimizers
+    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
+    buffers = {}  # B
+    for k, (shape, dtype) in buffer_fields(envs.num_actions).items():
+        buffers[k] = torch.zeros(plan["trajectories"], args.num_steps, *shape, dtype=dtype, device=device)
+    recent_returns = deque(maxlen=100)
+    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
+    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer, envs=envs)
+    if ckpt:
+        restore(ckpt, stateful, recent_returns)
+        print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}; {envs.RESUME}")
+    stop_on_signals(run_dir)
+    next_obs = torch.from_numpy(envs.reset()).to(device)
+    start_time, start_step = time.time(), global_step
     try:
         while iteration < num_iterations:
             phase, phase_start = phase + 1, time.time()
-            # ============ Policy phase: N_pi iterations of a rollout, then E_pi and E_V epochs on it ============
+            # Policy phase: N_pi rollouts, each with E_pi and E_V epochs
             for i in range(min(args.n_pi, num_iterations - iteration)):
                 iteration += 1
-                slot = i if plan["aux_phases"] else 0  # B holds N_pi rollouts; without aux phases, one
-                ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}  # views
-                if args.anneal_lr:  # every Adam's, by the planned total (a raised one too); the aux phase keeps it
-                    for group in [group for optimizer in optimizers for group in optimizer.param_groups]:
-                        group["lr"] = args.learning_rate * (1 - (iteration - 1) / num_iterations)
+                slot = i if plan["aux_phases"] else 0  # rollout i's rows of B (views)
+                ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}
                 next_obs, global_step, next_value, episodes = collect_rollout(agent, envs, next_obs, ro, global_step)
-                explained_variance = compute_targets(ro, next_value, args, reward_normalizer)  # V_hat and A
+                compute_targets(ro, next_value, args, reward_normalizer)
                 for step, ep_return, length in episodes:
                     writer.add_scalar("charts/episodic_return", ep_return, step)
                     writer.add_scalar("charts/episodic_length", length, step)
                     recent_returns.append(ep_return)
-                batch = {k: v.flatten(0, 1) for k, v in ro.items()}  # the rollout's states
+                batch = {k: v.flatten(0, 1) for k, v in ro.items()}
                 stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer)
-                for k, v in dict(stats, explained_variance=explained_variance).items():
-                    writer.add_scalar(f"losses/{k}", v, global_step)
-                writer.add_scalar("charts/learning_rate", policy_optimizer.param_groups[0]["lr"], global_step)
+                for name, value in stats.items():
+                    writer.add_scalar("losses/" + name, value, global_step)
                 sps = (global_step - start_step) / (time.time() - start_time)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                progress = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
-                mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"  # last 100
-                losses = f"policy_loss {stats['policy_loss']:.4f} value_loss {stats['value_loss']:.4f}"
-                minutes = round((num_iterations - iteration) * batch_size / sps / 60)  # at this start's mean rate, so
-                eta = f"{minutes // 60}h{minutes % 60:02d}m"  # short by the aux phases' share until its first has run
-                print(f"{progress} SPS {sps:.0f} ETA {eta} return {mean_return} {losses}", flush=True)
-            # ============ Auxiliary phase: snapshot pi_old, E_aux epochs over B (then B is refilled) ============
+                seconds = round((num_iterations - iteration) * batch_size / sps)  # at this start's mean rate
+                eta = f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 60 else f"{seconds}s"
+                mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"
+                where = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
+                print(f"{where} SPS {sps:.0f} ETA {eta} return {mean_return}", flush=True)
+            # Auxiliary phase: pi_old, then E_aux epochs over B
             aux_epochs, aux_start = [], time.time()
-            if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout: nothing would use it
+            if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout
                 aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args)
-                aux_epochs_done += len(aux_epochs)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB to GiB
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else peak
-            seconds = f"{time.time() - phase_start:.1f}s (aux phase {time.time() - aux_start:.1f}s)"
-            print(f"phase {phase} done in {seconds}; peak {'GPU ' * (device.type == 'cuda')}memory {peak:.2f} GiB")
-            # ---- The phase boundary: the checkpoint --resume continues from, written atomically ----
-            for k, v in (aux_epochs[-1] if aux_epochs else {}).items():  # the aux phase's last epoch, on env steps
-                writer.add_scalar(f"aux_phase/{k}", v, global_step)
-            for epoch, epoch_stats in enumerate(aux_epochs):  # x-axis: aux epochs run
-                for k, v in epoch_stats.items():
-                    writer.add_scalar(f"aux/{k}", v, aux_epochs_done - len(aux_epochs) + 1 + epoch)
-            writer.flush()  # the phase's log on disk, its length in the checkpoint: a kill after it loses none of it
-            events = {n: os.path.getsize(f"{run_dir}/{n}") for n in os.listdir(run_dir) if "tfevents" in n}
-            state = dict(script=SCRIPT, run_name=run_name, args=dict(vars(args), micro_batch_size=micro_batch_flag))
-            state.update(phase=phase, global_step=global_step, aux_epochs_done=aux_epochs_done, events=events)
-            state.update(wandb_id=wandb.run.id if args.track else ckpt and ckpt["wandb_id"])  # kept for --track
-            with open(f"{run_dir}/checkpoint.pt.tmp", "wb") as f:
-                torch.save(dict(state, **{name: get() for name, (get, _) in parts.items()}), f)
-                os.fsync(f.fileno())  # on disk before the rename: a crash leaves the last checkpoint whole
-            os.replace(f"{run_dir}/checkpoint.pt.tmp", f"{run_dir}/checkpoint.pt")
+            for name, value in (aux_epochs[-1] if aux_epochs else {}).items():  # the last epoch's
+                writer.add_scalar("aux_phase/" + name, value, global_step)
+            print(f"phase {phase} done in {time.time() - phase_start:.1f}s (aux {time.time() - aux_start:.1f}s)")
+            # The phase's end: the checkpoint a resume goes on from
+            writer.flush()  # first: a kill after this loses none of the phase's log
+            save_checkpoint(run_dir, dict(header, phase=phase, global_step=global_step), stateful, recent_returns)
     finally:
         writer.close()
     envs.env.close()
-    print(f"checkpoint: {run_dir}/checkpoint.pt; evaluate it: python tools/evaluate.py {run_dir}/checkpoint.pt")
+    path = os.path.join(run_dir, "checkpoint.pt")
+    print(f"checkpoint: {path}; evaluate it: python tools/evaluate.py {path}")
 
 
 if __name__ == "__main__":
-    # The flags named on the command line (--no-cuda names cuda), by our names: --resume tells them apart
-    given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
-    aliases = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
-    # CleanRL's flags that have no namesake here: what to use instead
-    cleanrl = dict(v_value="--e-v", n_aux_grad_accum="--micro-batch-size", clip_vloss="the value loss is unclipped")
-    cleanrl.update(capture_video="tools/evaluate.py --capture-video", vf_coef="the value network's loss is unweighted")
-    cleanrl.update(target_kl="--aux-kl-stop (aux phase)", adv_norm_fullbatch="advantages are normalised per rollout")
-    cleanrl.update(save_model="runs/<run>/checkpoint.pt holds the weights after every phase")
-    for name in sorted(given & cleanrl.keys()):
-        sys.exit(f"error: --{name.replace('_', '-')} is CleanRL's flag: here {cleanrl[name]}")
-    main(tyro.cli(Args), {aliases.get(name, name) for name in given})
+    main(tyro.cli(Args), named_flags(sys.argv[1:]))

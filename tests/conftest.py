@@ -180,16 +180,6 @@ def assert_same(a, b, where: str) -> None:
         assert type(a) is type(b) and a == b, where
 
 
-# CleanRL's names of four flags, as the scripts' __main__ block maps them (tests/test_first_hour.py checks the two agree)
-ALIASES = dict(n_iteration="n_pi", e_policy="e_pi", e_auxiliary="e_aux", num_aux_rollouts="aux_mb_trajectories")
-
-
-def given_flags(flags) -> set:
-    """The flag names of a command line, by our names, as the scripts' __main__ block collects them for --resume."""
-    given = {a[2:].split("=")[0].replace("-", "_").removeprefix("no_") for a in flags if a.startswith("--")}
-    return {ALIASES.get(name, name) for name in given}
-
-
 def refusal(script, flags, cwd, monkeypatch) -> str:
     """What the command line `python SCRIPT flags...` stops with, in this process: main() as the __main__ block calls
     it. Asserts it stopped with one line before any run folder (env, buffer, log) existed, and returns that line."""
@@ -197,7 +187,7 @@ def refusal(script, flags, cwd, monkeypatch) -> str:
 
     monkeypatch.chdir(cwd)
     with pytest.raises(SystemExit) as stopped:
-        script.main(tyro.cli(script.Args, args=list(flags)), given_flags(flags))
+        script.main(tyro.cli(script.Args, args=list(flags)), script.named_flags(flags))
     message = str(stopped.value.code)
     assert message.startswith("error: ") and "\n" not in message, (flags, message)
     assert not (pathlib.Path(cwd) / "runs").exists(), flags
@@ -214,7 +204,7 @@ def main_in_process(script, flags, cwd, monkeypatch):
     monkeypatch.chdir(cwd)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return script.main(tyro.cli(script.Args, args=list(flags)), given_flags(flags))
+        return script.main(tyro.cli(script.Args, args=list(flags)), script.named_flags(flags))
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

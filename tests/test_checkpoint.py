@@ -1,4 +1,5 @@
-"""Runs that survive: a killed run resumes to exactly its planned step count, logging each step once; SIGTERM and
+"""Runs that survive: one live process a run; a killed run resumes to exactly its planned step count, logging each
+step once; SIGTERM and
 Ctrl-C print the resume command and exit with 128 + the signal; a NaN stops the run before it spoils a checkpoint;
 bad input (truncated or foreign checkpoints, conflicting or non-finite flags) gets one line."""
 
@@ -63,7 +64,10 @@ def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monk
     time.sleep(0.3)  # a moment into phase 2
     proc.send_signal(signal.SIGSTOP)  # held where it is (in phase 2 of 2, however fast the machine)
     assert checkpoint(saved.parent)["phase"] < 2
-    proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill
+    with pytest.raises(SystemExit) as stopped:  # a second process on the live run: refused, naming the first
+        main_in_process(load_script(name), ["--resume", str(saved.parent)], tmp_path, monkeypatch)
+    assert str(stopped.value.code) == f"error: {saved.parent} is being trained by process {proc.pid}"
+    proc.kill()  # SIGKILL: no handler runs, as in an out-of-memory kill; its lock goes with it
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     main_in_process(load_script(name), ["--resume", str(saved.parent)], tmp_path, monkeypatch)
@@ -73,7 +77,7 @@ def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monk
     # the stopped run's steps after its checkpoint are purged: each rollout is logged exactly once
     steps, acc = scalars_with_steps(saved.parent, "losses/policy_loss")
     assert steps == list(range(64, 257, 64))
-    assert [e.step for e in acc.Scalars("aux/clone_kl")] == [1, 2]  # one aux phase of E_aux = 2 epochs, once
+    assert [e.step for e in acc.Scalars("aux_phase/clone_kl")] == [128]  # one aux phase, logged once
     assert len(list(saved.parent.glob("events.out.tfevents.*"))) == 2  # the same run folder, appended
 
 
@@ -90,21 +94,21 @@ def gae(*a):  # rollout 3 is phase 2's first: phase 1's boundary (checkpoint, au
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*a)
 script.compute_gae = gae
-script.main(tyro.cli(script.Args, args=sys.argv[2:]))
+script.main(tyro.cli(script.Args, args=sys.argv[2:]), script.named_flags(sys.argv[2:]))
 """
 
 
-@pytest.mark.slow  # tests/test_resume.py kills a run right after a checkpoint and compares every scalar, aux/* too
+@pytest.mark.slow  # tests/test_resume.py kills a run right after a checkpoint and compares every scalar
 def test_a_kill_just_after_a_phase_boundary_keeps_that_phases_log(tmp_path):
-    """SIGKILL at the start of phase 2: what phase 1 logged, its aux/ scalars too (flushed before its checkpoint, so
-    that a resume from it, which never redoes them, finds them), is on disk."""
+    """SIGKILL at the start of phase 2: what phase 1 logged, its aux_phase/ scalars too (flushed before its
+    checkpoint, so that a resume from it, which never redoes them, finds them), is on disk."""
     argv = [sys.executable, "-c", KILLED_AT_ROLLOUT_3, str(ROOT / "ppg_atari.py"), *TINY_FLAGS["ppg_atari.py"], *LONG]
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     (run,) = (tmp_path / "runs").iterdir()
     assert checkpoint(run)["phase"] == 1
     steps, acc = scalars_with_steps(run, "losses/policy_loss")
-    assert steps == [64, 128] and [e.step for e in acc.Scalars("aux/clone_kl")] == [1, 2]
+    assert steps == [64, 128] and [e.step for e in acc.Scalars("aux_phase/clone_kl")] == [128]
 
 
 @pytest.mark.slow  # tests/test_resume.py stops runs after logging past a checkpoint and compares every scalar
@@ -200,8 +204,11 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, 
         len(errors) == 1
         and "not a readable checkpoint of ppg_atari.py (ValueError: written by ppg_procgen.py" in errors[0]
     )
-    # the flags a resume may give, at any value (given: as the command line names them; None: those off defaults)
-    resumed, _, run_dir = procgen.resume_args(procgen.Args(resume=str(run), total_timesteps=10**8, micro_batch_size=64))
+    # the flags a resume may give, at any value, as the command line names them
+    given = {"resume", "total_timesteps", "micro_batch_size"}
+    resumed, _, run_dir = procgen.resume_args(
+        procgen.Args(resume=str(run), total_timesteps=10**8, micro_batch_size=64), given
+    )
     assert resumed.num_envs == 2 and resumed.total_timesteps == 10**8 and resumed.micro_batch_size == 64
     assert run_dir == str(run) and resumed.seed == state["args"]["seed"]
     resumed, _, _ = procgen.resume_args(procgen.Args(resume=str(path), cuda=False), given={"resume", "cuda"})
@@ -210,21 +217,19 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_checkpoint_from_before_a_new_flag_resumes_and_evaluates(name, tiny_run, tmp_path, monkeypatch, capsys):
-    """The shared run's checkpoint as a version before --anneal-lr wrote it (one flag fewer, and --save-model, a flag
-    since removed): the new flag takes its default, the removed one is dropped, and the run resumes and
-    tools/evaluate.py reads the file (saying so in one line)."""
+    """The shared run's checkpoint as a version before --aux-kl-stop wrote it (one flag fewer): the new flag takes its
+    default, and the run resumes and tools/evaluate.py reads the file (saying so in one line)."""
     from test_evaluate import run_tool
 
     run = copy_run(tiny_run(name), tmp_path)
     state = torch.load(run / "checkpoint.pt", weights_only=True)
-    del state["args"]["anneal_lr"]
-    state["args"]["save_model"] = True
+    del state["args"]["aux_kl_stop"]
     torch.save(state, run / "checkpoint.pt")
     out = run_tool(monkeypatch, capsys, str(run / "checkpoint.pt"), "--episodes", "2", "--cpu")
-    assert "written before --anneal-lr: its default taken" in out and "mean return" in out
+    assert "written before --aux-kl-stop: its default taken" in out and "mean return" in out
     main_in_process(load_script(name), ["--resume", str(run), "--total-timesteps", "256"], tmp_path, monkeypatch)
     state = checkpoint(run)
-    assert state["global_step"] == 256 and state["args"]["anneal_lr"] is False
+    assert state["global_step"] == 256 and state["args"]["aux_kl_stop"] == 0.0
 
 
 @pytest.mark.parametrize("phase", ["policy", "auxiliary"])
@@ -298,7 +303,7 @@ def test_a_raised_budget_after_a_short_last_phase_starts_a_new_phase_at_the_chec
     run = copy_run(tiny_run("ppg_procgen.py"), tmp_path)
     main_in_process(script, ["--resume", str(run), "--total-timesteps", "384"], tmp_path, monkeypatch)
     out = capsys.readouterr().out
-    assert "phases: 4 of N_pi=2 rollouts; rollouts: 6 of" in out and "aux phases: 1;" in out
+    assert "phases: 4 of N_pi=2 rollouts; rollouts: 6 of" in out and "aux phases: 1\n" in out
     progress = [line.split(" step ")[0] for line in out.splitlines() if " iter " in line]
     assert progress == ["phase 3/4 iter 4/6", "phase 3/4 iter 5/6", "phase 4/4 iter 6/6"]
     assert out.index("aux epoch 1/2") > out.index("iter 5/6") and out.index("aux epoch 1/2") < out.index("iter 6/6")

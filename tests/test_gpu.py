@@ -42,6 +42,6 @@ def test_tiny_run_on_a_gpu(name, precision, tmp_path):
     done = subprocess.run(argv, cwd=tmp_path, env=GPU_ENV, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 0 and "resumed from" in done.stdout, done.stderr[-3000:]
     scalars = read_scalars(tmp_path)
-    for tag in ("losses/policy_loss", "losses/value_loss", "aux/joint_loss", "charts/SPS"):
+    for tag in ("losses/policy_loss", "losses/value_loss", "aux_phase/joint_loss", "charts/SPS"):
         assert scalars[tag] and all(math.isfinite(v) for v in scalars[tag]), tag
     assert len(scalars["losses/value_loss"]) == 4

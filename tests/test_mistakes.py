@@ -3,9 +3,7 @@ the script's own functions wrapped to record what they are handed, or the very f
 
 import copy
 import math
-import os
 import pathlib
-import signal
 import sys
 from collections import Counter, defaultdict
 
@@ -297,61 +295,6 @@ def test_training_levels_are_the_flags_and_the_env_is_seeded(recorded):
     if script.SCRIPT != "ppg_procgen.py":
         pytest.skip("levels are Procgen's alone")
     assert rec["envs"] == [(10, 5, 1)]  # levels 5..14, the level sequence seeded by --seed
-
-
-def sigterm_in_rollout(monkeypatch, script, n: int) -> None:
-    """SIGTERM to this process during rollout n (when GAE is computed for it, before its update)."""
-    calls = []
-
-    def maybe_signal(*a):
-        calls.append(1)
-        if len(calls) == n:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    wrap(monkeypatch, script, "compute_gae", before=maybe_signal)
-
-
-@pytest.mark.slow  # 8 s; --anneal-lr is off by default (CleanRL's), and tests/test_resume.py checks exact resume
-def test_anneal_lr_survives_a_stop_and_follows_a_raised_budget(tmp_path, monkeypatch, capfd):
-    """--anneal-lr over 6 rollouts, stopped by SIGTERM in rollout 3 and resumed from the phase-1 checkpoint: every
-    rollout's rate (every optimizer; the aux phase takes its phase's last) is exactly CleanRL's lr (1 - (i - 1) / N) of
-    a run that never stopped. Then --total-timesteps raised to 8 rollouts: the line is the 8-rollout run's."""
-    script, lr, rates = load_script("ppg_atari.py"), 2.5e-4, {"policy": [], "aux": [], "value": []}
-    for kind, name in (("policy", "policy_phase_update"), ("aux", "auxiliary_phase")):  # each rate as it is used
-        wrap(
-            monkeypatch,
-            script,
-            name,
-            before=lambda a, opt, *r, kind=kind: rates[kind].append(opt.param_groups[0]["lr"]),
-        )
-    # the value epochs' Adam (used when E_pi != E_V) follows the same line: its rate as the update receives it
-    wrap(
-        monkeypatch, script, "policy_phase_update", before=lambda *a: rates["value"].append(a[4].param_groups[0]["lr"])
-    )
-    sigterm_in_rollout(monkeypatch, script, 3)
-    got = {"policy": [], "aux": [], "value": []}
-
-    def take():
-        for kind in got:
-            got[kind] += rates[kind]
-            rates[kind].clear()
-
-    with pytest.raises(SystemExit):
-        main_in_process(script, tiny(script, "--anneal-lr", "--total-timesteps", "384"), tmp_path, monkeypatch)
-    take()
-    (run,) = (tmp_path / "runs").iterdir()
-    main_in_process(script, ["--resume", str(run)], tmp_path, monkeypatch)
-    take()
-    uninterrupted = [lr * (1 - (i - 1) / 6) for i in range(1, 7)]
-    assert got["policy"] == uninterrupted[:2] + uninterrupted[2:]  # rollout 3 was cut before its update
-    assert got["value"] == got["policy"]
-    assert got["aux"] == [uninterrupted[1], uninterrupted[3]]  # after rollouts 2 and 4 (none after the last)
-    main_in_process(script, ["--resume", str(run), "--total-timesteps", "512"], tmp_path, monkeypatch)
-    take()
-    assert got["policy"][-2:] == [lr * (1 - (i - 1) / 8) for i in (7, 8)] == got["value"][-2:]
-    from conftest import read_scalars
-
-    assert read_scalars(tmp_path)["charts/learning_rate"][-2:] == pytest.approx(got["policy"][-2:], rel=1e-6)
 
 
 def test_the_memory_check_counts_what_main_allocates(script, tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def test_the_readme_first_run_trains_resumes_and_evaluates_as_written(checkout):
     done = shell(FIRST_RUN, checkout)
     stdout, stderr = done.communicate(timeout=PATIENCE_S)
     assert done.returncode == 0, stderr[-3000:]
-    assert "a checkpoint after each phase, the first at step 256" in stdout and "aux epoch 2/2" in stdout
+    assert "rollouts: 3 of 4 envs x 32 steps" in stdout and "aux epoch 2/2" in stdout
     assert "resumed from" in stdout and "phase 3/3 iter 5/5 step 640" in stdout
     assert "step 640" in stdout and "mean return" in stdout
     assert not list((checkout / "runs" / "starpilot__first__1__1000").iterdir())  # the older run left alone

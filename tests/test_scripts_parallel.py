@@ -18,7 +18,6 @@ DIFFER = {
     "OBS_SHAPE": "the env's frames",
     "NUM_ACTIONS": "the env's action set",
     "ACTIVATION_BYTES": "the network's activations a state, measured for each",
-    "CPU_STEPS_PER_S": "the env's and the network's speed on a CPU, measured for each",
     "make_plan": "the env flags' checks (Atari's env id)",
     "PPGAgent": "the network and its initialisation",
     "main": "the env's construction",

@@ -97,7 +97,7 @@ def timed_first_phase(module, args, device) -> dict:
 
         setattr(module, name, timed)
     try:
-        module.main(args)
+        module.main(args, set())
     finally:
         for name, real in originals.items():
             setattr(module, name, real)

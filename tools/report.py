@@ -48,7 +48,7 @@ GAMES = sorted(NORMALISATION["hard"])  # the 16 Procgen games, each a released C
 # (tools/experiments.py) replace these.
 RELEASED_RUN = dict(distribution_mode="hard", num_levels=0, start_level=0)  # all levels from 0 (envs.py's defaults)
 RELEASED_RUN.update(num_envs=256, aux_mb_trajectories=16, num_steps=256, gamma=0.999, gae_lambda=0.95)
-RELEASED_RUN.update(learning_rate=5e-4, anneal_lr=False)  # lr and aux_lr, constant
+RELEASED_RUN.update(learning_rate=5e-4)  # lr and aux_lr, constant
 RELEASED_RUN.update(num_minibatches=8, clip_coef=0.2, kl_penalty=0.0, ent_coef=0.01)
 RELEASED_RUN.update(norm_reward=True, reward_norm_gamma=0.99, max_grad_norm=0.0)  # reward_normalizer.py; no clipping
 RELEASED_RUN.update(arch="dual", n_pi=32, e_pi=1, e_v=1, e_aux=6, beta_clone=1.0)
@@ -58,7 +58,6 @@ RELEASED_RUN.update(aux_kl_stop=0.0, precision="fp32")  # no KL guard in the rel
 SAME_RUN = dict(seed="a seed is one of the runs", env_id="the game: a run a game", exp_name="the run's name")
 SAME_RUN.update(total_timesteps="the budget: a shorter run is compared at its own step", resume="the same run, resumed")
 SAME_RUN.update(track="logging", wandb_project_name="logging", wandb_entity="logging", cuda="the device")
-SAME_RUN.update(torch_deterministic="cuDNN's choice of kernels: the same update in another summation order")
 SAME_RUN.update(micro_batch_size="chunks of a minibatch: the same update in another summation order")
 # variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
 VARIANTS = {
