@@ -77,8 +77,8 @@ same in every process. The checks, each with the bounds of its own configuration
   - every minibatch order: ours shuffles what the released code shuffles at that point (a rollout, or B), and our run
     makes exactly as many draws and minibatch orders as the released run;
   - every finished episode's return and length, in order (returns to the released monitor's float32 sum); at least
-    FLOORS' episodes end and FLOORS' rewards are nonzero (float32: 3 and 5), so that the reward normaliser, episode
-    ends and GAE's masks are exercised;
+    FLOORS' episodes end, FLOORS' rewards are nonzero and FLOORS' of those come on an episode's last step (float32: 3,
+    5 and 0), so that the reward normaliser, episode ends and GAE's masks are exercised;
   - the final parameters of each network (policy: its trunk, policy and aux value heads; value: the value trunk of
     dual, else the value head): the largest difference and the root mean square, each within its bound.
 
@@ -217,10 +217,10 @@ CI = ("ppo", *FLOAT64)
 MISTAKES = ("clone_kl_reversed", "pi_old_every_epoch", "adv_per_minibatch", "fresh_aux_adam", "fresh_adam")
 MISTAKES += ("pi_old_start", "rnorm_reset", "kl_sign", "kl_half")
 PROCESSES = 5  # each mistake's least count of processes on a configuration that catches it, in mistakes.jsonl
-# What a run must exercise: at least this many finished episodes and nonzero rewards (chaser's 24 or 48 env steps
-# end no episode, dodgeball's no reward: the float64 cases split the two between them, the float32 PPO case has both)
-FLOORS = {c: (3, 5) for c in CONFIGS}
-FLOORS.update(dual64=(0, 5), ppo64=(0, 5), detachkl64=(3, 0))
+# What a run must exercise: at least this many finished episodes, nonzero rewards, and nonzero rewards on an episode's
+# last step (chaser's 24 or 48 env steps end no episode, dodgeball's give no reward)
+FLOORS = {c: (3, 5, 0) for c in CONFIGS}
+FLOORS.update(dual64=(0, 5, 0), ppo64=(0, 5, 0), detachkl64=(3, 0, 0))
 # How a configuration's bounds follow from its worst measured figures (see the module's docstring): `margin` times the
 # worst, rounded up to 2 digits, at least `floor`, and at least `ties` near ties. Float32: 3 x, as any wider leaves a
 # mistake room to hide; float64: 100 x, and at least 1e-10, far below every mistake's effect and far above rounding
@@ -477,13 +477,14 @@ def whole_runs(rel, config: str, seed: int, tmp_path, monkeypatch, bounds: Bound
     torch.manual_seed(seed)
     model = rs.released_model(rel, args.arch, script.OBS_SHAPE, script.NUM_ACTIONS).to(dtype)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    logdir, nonzero = tmp_path / "released", []
+    logdir, nonzero, rollouts = tmp_path / "released", [], []
     logdir.mkdir()
     rs.fresh_logger(rel)
     normalize = rel.reward_normalizer.RewardNormalizer.__call__
 
     def counting(normalizer, reward, first):  # each rollout's raw rewards, as the released ppo.learn scales them
         nonzero.append(int((reward != 0).sum()))
+        rollouts.append((reward != 0, first.bool()))
         return normalize(normalizer, reward.to(dtype), first)  # float32 from the env (integers: exact in both)
 
     printed = io.StringIO()  # both runs' progress lines: -rP shows the comparison's summary alone
@@ -534,8 +535,19 @@ def whole_runs(rel, config: str, seed: int, tmp_path, monkeypatch, bounds: Bound
             (float(r), int(n)) for r, n in zip(logged["charts/episodic_return"], logged["charts/episodic_length"])
         ],
         nonzero=sum(nonzero),
+        last_rewards=last_step_rewards(rollouts),
         networks=parameter_differences(agent, model),
     )
+
+
+def last_step_rewards(rollouts: list) -> int:
+    """How many nonzero rewards came on an episode's last step, from each rollout's (reward != 0, first) as the
+    released ppo.learn holds them: reward[:, t] follows the action at t, and first[:, t + 1] marks that this action
+    ended its episode (the run's very last step, whose `first` comes with no rollout, is not counted)."""
+    if not rollouts:
+        return 0
+    rewarded, first = (torch.cat(parts, dim=1) for parts in zip(*rollouts))
+    return int((rewarded[:, :-1] & first[:, 1:]).sum())
 
 
 def parameter_differences(agent, model) -> dict:
@@ -562,7 +574,8 @@ def test_whole_run(rel, config, tmp_path, monkeypatch):
     draws = f"{len(c.draws) * envs} action draws ({len(c.draws)} steps of {envs} envs)"
     print(f"{config}, seed {SEED}, {torch.get_num_threads()} thread(s): {draws}, {len(c.perms)} minibatch orders")
     ties = f"{len(c.near_ties)} near ties (at most {b.near_ties}, each within {b.delta:g})"
-    print(f"  {len(episodes)} episodes ended, {r['nonzero']} nonzero rewards; {ties}")
+    rewards = f"{r['nonzero']} nonzero rewards ({r['last_rewards']} on an episode's last step)"
+    print(f"  {len(episodes)} episodes ended, {rewards}; {ties}")
     for where, distance in c.near_ties:
         print(f"    at {where}: the uniform {distance:.3g} from our interval of the released action")
     print(f"  the closest agreeing draw to one of our boundaries: {c.margin:.3g} away")
@@ -574,8 +587,11 @@ def test_whole_run(rel, config, tmp_path, monkeypatch):
         print(f"  {network} network's final parameters: apart by {worst:.3g} at most ({where}; bound {most:g}),")
         print(f"    root mean square {rms:.3g} (bound {most_rms:g})")
     assert same_episodes(episodes, r["released_episodes"]), f"episodes: ours {episodes}, {r['released_episodes']}"
-    least_episodes, least_rewards = FLOORS[config]
-    assert len(episodes) >= least_episodes and r["nonzero"] >= least_rewards, "too few episodes or rewards to exercise"
+    least_episodes, least_rewards, least_last = FLOORS[config]
+    assert len(episodes) >= least_episodes and r["nonzero"] >= least_rewards and r["last_rewards"] >= least_last, (
+        f"too few episodes or rewards to exercise: {len(episodes)} episodes, {r['nonzero']} nonzero rewards, "
+        f"{r['last_rewards']} on an episode's last step (at least {least_episodes}, {least_rewards}, {least_last})"
+    )
     for network, (worst, where, rms) in r["networks"].items():
         most, most_rms = b.params[network]
         assert worst <= most, f"{network} network: final parameters apart by {worst:.3g} ({where}) > {most:g}"
