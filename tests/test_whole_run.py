@@ -170,14 +170,14 @@ The CI cases' cost at 1 thread, on this AVX2-only machine: one pytest process of
 of the bounds) took 38.3 and 38.9 s user and 2.8 and 2.1 s system time, 42.9 and 42.8 s wall, in two tries at load
 average 1.3 to 2.5 (2026-12-07), each case's call dual64 12.4 and 13.1 s, ppo (float32) 12.1 and 11.6 s, ends64 8.0 and
 8.4 s and ppo64 5.6 and 5.5 s; at load average 5 to 6, 46.0 s user and 2.4 s system. The file as it was with detachkl64
-in CI in its place, run next at the same load, took 42.4 s user and 2.7 s system (detachkl64's call 9.1 s); earlier that
-day, at load average 4 to 5, that file had taken 31.4 and 33.5 s user, and at 8 to 20, 40 s: the machine's speed varies
-more than the two files differ. (The three float32 CI cases before them, dual, ppo and ppgkl, took 42 to 44 s user on
-the AVX-512 machine, 2026-12-06.) Float64's convolutions have no oneDNN kernel: the dual64 configuration at seed 1 took
-6.5 s of CPU time in float32 and 13.4 s in float64 (both codes' runs, load average 3.5; at load average 9, 8.6 and 16
-s); at 2 envs x 32 steps with N_pi 2 (a larger version of it) 25 s and 130 s, as float64's cost a state grows with the
-batch (the IMPALA trunk's forward and backward pass at 1 thread: float32 6 to 7 ms a state at batches of 2 to 64,
-float64 14 ms at 2 and 23 ms at 64; load average about 6)."""
+in CI in its place, run right after those two tries (load average 2.2 to 2.6), took 42.4 s user and 2.7 s system
+(detachkl64's call 9.1 s); earlier that day, at load average 4 to 5, that file had taken 31.4 and 33.5 s user, and at 8
+to 20, 40 s: the machine's speed varies more than the two files differ. (The three float32 CI cases before them, dual,
+ppo and ppgkl, took 42 to 44 s user on the AVX-512 machine, 2026-12-06.) Float64's convolutions have no oneDNN kernel:
+the dual64 configuration at seed 1 took 6.5 s of CPU time in float32 and 13.4 s in float64 (both codes' runs, load
+average 3.5; at load average 9, 8.6 and 16 s); at 2 envs x 32 steps with N_pi 2 (a larger version of it) 25 s and 130 s,
+as float64's cost a state grows with the batch (the IMPALA trunk's forward and backward pass at 1 thread: float32 6 to 7
+ms a state at batches of 2 to 64, float64 14 ms at 2 and 23 ms at 64; load average about 6)."""
 
 import contextlib
 import importlib.util
