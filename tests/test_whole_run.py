@@ -16,19 +16,31 @@ the same run:
     our KL guard at the script's default (off: the released code has none) and --micro-batch-size 0; the released
     logger writes nothing (RCALL_LOGDIR is an empty temporary folder, no save_mode).
 
-The configurations (CONFIGS). In CI: three in float64, which together take every path the released experiments
-take, and one in float32, the arithmetic users run:
+The configurations (CONFIGS). In CI: three in float64, which together take every path of the loop that the released
+experiments take, an episode's end with its reward included, and one in float32, the arithmetic users run:
   - dual64: the dual network, 2 PPO minibatches a rollout, E_pi 2 > E_V 1 (the E_pi experiment's separate value epochs
     and their own Adam), N_pi 1 (B holds one rollout), E_aux 2 on 2 aux minibatches; chaser, for rewards from the first
     steps;
   - ppo64: the PPO baseline as released: the shared network, E_pi = E_V = 3, no aux phase, 2 minibatches; chaser;
-  - detachkl64: detach (one network, the value head on detached features), L_KL (--clip-coef 0 --kl-penalty 1: the
-    penalised surrogate, which acts from a rollout's second minibatch on), N_pi 2, E_aux 1; dodgeball, whose episodes
-    end within steps;
+  - ends64: detach (one network, the value head on detached features), L_KL (--clip-coef 0 --kl-penalty 1: the
+    penalised surrogate, which acts from a rollout's second minibatch on), N_pi 2, E_aux 1; maze's easy level 85 alone
+    (--num-levels 1 --start-level 85), where every episode ends with its one reward, 10, on its last step: at seed 1
+    7 episodes of 4 to 29 steps, three of them longer than a rollout, one ending on a rollout's last step (6 to 16
+    episodes at seeds 1 to 10). So the reward normaliser's reset at an episode's end and GAE's last step of an episode
+    both meet a reward;
   each 2 envs x 8 steps a rollout (float64 costs about twice float32's CPU time at these sizes); and
   - ppo (float32): --arch shared --e-aux 0 on starpilot, 3 envs x 32 steps, N_pi 2: episodes end and rewards come.
-Marked slow (python -m pytest -q tests -m slow), all float32 on starpilot: dual (the default arch), ppgkl (L_KL with 3
-minibatches of one env), detach, shared, e_pi1_e_v2 (E_pi 1, E_V 2) and minibatches2, the last four with 4 envs.
+Marked slow (python -m pytest -q tests -m slow): detachkl64, ends64's configuration on dodgeball (levels 7 to 26),
+whose 5 episodes at seed 1 end without a reward (ends64 covers its ground, with rewards); and in float32 on starpilot
+dual (the default arch), ppgkl (L_KL with 3 minibatches of one env), detach, shared, e_pi1_e_v2 (E_pi 1, E_V 2) and
+minibatches2, the last four with 4 envs.
+
+What the CI cases do not cover. In float64, no episode ends without a reward (maze's all end at the cheese; the
+float32 PPO case's starpilot episodes end, and slow detachkl64's dodgeball ones) and no episode that ends has had a
+reward before its last step (chaser's rewards come in episodes that do not end within the run; starpilot's, in float32,
+come mid-episode); ends64 plays one level, and no case in any precision reaches Procgen's step limit. The rewards on an
+episode's last step are counted on the released run's side alone, and not at the run's very last step. ppg_atari.py
+has no released counterpart to run against.
 
 In float64 (FLOAT64). Both codes run in float64, patched here, with no flag in either: the released code where it pins
 float32 (rs.released_in_float64; its model is built as released, then .double()), ours where its buffers and trunks are
@@ -42,11 +54,13 @@ seed 1, run in float32 (without these patches), met 2 near ties, its CDFs 0.026 
 parameters 3.5e-3 apart at the end; in float64 none, 1.7e-11 and 3.9e-10.
 
 Measured with tools/whole_run_bounds.py (below), seeds 1 to 10 a configuration and seed 1 in 4 more processes, each run
-a process of its own with 1 thread, on 2 cores of an AMD EPYC with AVX2 only (torch 2.13 CPU, 2026-12-07, load average 5
-to 20 from other work on the 2 cores): AVX2 kernels only; the float64 configurations have not been run with AVX-512
-kernels. Seed 1's figures were the same in all 5 processes for ppo64 and detachkl64; dual64's took one of two roundings
-(CDFs 1.7e-11 or 1.9e-11 apart, the policy network 3.9e-10 or 4.8e-10). The worst of each figure over the 14 runs, under
-it the bound (no near tie was met, so the farthest a near tie may lie, the later CDF bound, is not shown):
+a process of its own with 1 thread, on 2 cores of an AMD EPYC with AVX2 only (torch 2.13 CPU, 2026-12-07; dual64, ppo64
+and detachkl64 at load average 5 to 20 from other work on the 2 cores, ends64 later that day at 1 to 2): AVX2 kernels
+only. The float64 configurations have not been run with AVX-512 kernels, which sum in other orders: no machine with
+them was at hand. Seed 1's figures were the same in all 5 processes for ppo64, detachkl64 and ends64; dual64's took one
+of two roundings (CDFs 1.7e-11 or 1.9e-11 apart, the policy network 3.9e-10 or 4.8e-10). The worst of each figure over
+the 14 runs, under it the bound (no near tie was met, so the farthest a near tie may lie, the later CDF bound, is not
+shown):
 
                        near     CDFs apart at a draw   final parameters apart: largest / rms    CPU s
   configuration (runs) ties   phase 1     later   policy network        value network        a run
@@ -54,8 +68,10 @@ it the bound (no near tie was met, so the farthest a near tie may lie, the later
                        0   1.0e-10   3.4e-08   5.5e-08 / 2.9e-10   1.0e-10 / 1.0e-10
   ppo64 (14)           0         0   8.9e-16   8.9e-14 / 1.4e-16   9.2e-17 / 6.0e-18   8-10
                        0   1.0e-10   1.0e-10   1.0e-10 / 1.0e-10   1.0e-10 / 1.0e-10
+  ends64 (14)          0   4.4e-16   9.8e-11   2.9e-10 / 4.8e-13   3.6e-12 / 3.1e-13   10-12
+                       0   1.0e-10   9.8e-09   2.9e-08 / 1.0e-10   3.6e-10 / 1.0e-10
   detachkl64 (14)      0   5.6e-16   6.1e-11   2.2e-09 / 4.7e-12   3.4e-12 / 5.9e-13   10-13
-                       0   1.0e-10   6.1e-09   2.3e-07 / 4.8e-10   3.5e-10 / 1.0e-10
+   (slow)              0   1.0e-10   6.1e-09   2.3e-07 / 4.8e-10   3.5e-10 / 1.0e-10
 
 No near tie is allowed (delta: the later CDF bound), and every figure's bound is 100 times its worst measured, and at
 least 1e-10: far above rounding, far below every listed mistake's effect (the README of docs/logs/whole-run-bounds
@@ -77,8 +93,9 @@ same in every process. The checks, each with the bounds of its own configuration
   - every minibatch order: ours shuffles what the released code shuffles at that point (a rollout, or B), and our run
     makes exactly as many draws and minibatch orders as the released run;
   - every finished episode's return and length, in order (returns to the released monitor's float32 sum); at least
-    FLOORS' episodes end and FLOORS' rewards are nonzero (float32: 3 and 5), so that the reward normaliser, episode
-    ends and GAE's masks are exercised;
+    FLOORS' episodes end, FLOORS' rewards are nonzero and FLOORS' of those come on an episode's last step (float32: 3,
+    5 and 0; ends64: 5, 5 and 5), so that the reward normaliser, episode ends and GAE's masks are exercised, and a
+    change of levels that leaves ends64 without episode ends or rewards fails it;
   - the final parameters of each network (policy: its trunk, policy and aux value heads; value: the value trunk of
     dual, else the value head): the largest difference and the root mean square, each within its bound.
 
@@ -125,27 +142,42 @@ copy of the script loaded through $PPG_SCRIPT (PPG_SCRIPT=/tmp/scratch/kl_sign/p
 tests/test_whole_run.py; docs/logs/whole-run-bounds/README.md gives each edit), breaks a float64 case's bound by at
 least 10 times in every one of 5 processes (mistakes.jsonl, test_bounds_come_from_the_committed_measurements):
   - clone_kl_reversed: dual64 in 5 of 5: policy network's rms 6.8e-05 apart (bound 2.9e-10), 2.3e+05 x (most 4.6e+05),
-    2/5 near ties; detachkl64 in 1 of 1: value network's largest 0.00037 apart (bound 3.5e-10), 1.0e+06 x, 0 near ties;
-  - pi_old_every_epoch: dual64 in 5 of 5: CDFs later 0.038 apart (bound 3.4e-08), 1.1e+06 x (most 1.3e+06), 7 near ties;
-  - adv_per_minibatch: ppo64 in 5 of 5: CDFs later 0.072 apart (bound 1e-10), 7.2e+08 x, 4 near ties;
-  - fresh_aux_adam: detachkl64 in 5 of 5: value network's largest 0.0014 apart (bound 3.5e-10), 4.0e+06 x, 1 near ties;
-  - fresh_adam: ppo64 in 5 of 5: CDFs later 0.064 apart (bound 1e-10), 6.4e+08 x, 5 near ties;
-  - pi_old_start: detachkl64 in 5 of 5: value network's largest 0.0036 apart (bound 3.5e-10), 1.0e+07 x, 10 near ties;
-  - rnorm_reset: ppo64 in 5 of 5: CDFs later 0.015 apart (bound 1e-10), 1.5e+08 x, 1 near ties;
-  - kl_sign: detachkl64 in 5 of 5: value network's largest 0.0029 apart (bound 3.5e-10), 8.2e+06 x, 9 near ties;
-  - kl_half: detachkl64 in 5 of 5: value network's largest 0.0013 apart (bound 3.5e-10), 3.8e+06 x, 0 near ties;
+    2 to 5 near ties; ends64 in 5 of 5: CDFs later 0.0079 apart (bound 9.8e-09), 8.0e+05 x, 2 near ties;
+  - pi_old_every_epoch: dual64 in 5 of 5: CDFs later 0.038 apart (bound 3.4e-08), 1.1e+06 x (most 1.3e+06), 7 near ties
+    (ends64, with one aux epoch a phase, cannot see it: 0 of 5);
+  - adv_per_minibatch: ppo64 in 5 of 5: CDFs later 0.072 apart (bound 1e-10), 7.2e+08 x, 4 near ties; ends64 in 5 of 5:
+    CDFs in phase 1 0.033 apart (bound 1e-10), 3.3e+08 x, 45 near ties;
+  - fresh_aux_adam: ends64 in 5 of 5: CDFs later 0.047 apart (bound 9.8e-09), 4.8e+06 x, 6 near ties;
+  - fresh_adam: ppo64 in 5 of 5: CDFs later 0.064 apart (bound 1e-10), 6.4e+08 x, 5 near ties; ends64 in 5 of 5: value
+    network's rms 0.0011 apart (bound 1e-10), 1.1e+07 x, 12 near ties;
+  - pi_old_start: ends64 in 5 of 5: CDFs later 0.12 apart (bound 9.8e-09), 1.2e+07 x, 18 near ties;
+  - rnorm_reset: ppo64 in 5 of 5: CDFs later 0.015 apart (bound 1e-10), 1.5e+08 x, 1 near ties; ends64 in 5 of 5: CDFs
+    later 0.0018 apart (bound 9.8e-09), 1.8e+05 x, 2 near ties;
+  - kl_sign: ends64 in 5 of 5: CDFs later 0.18 apart (bound 9.8e-09), 1.8e+07 x, 18 near ties;
+  - kl_half: ends64 in 5 of 5: value network's largest 0.0041 apart (bound 3.6e-10), 1.1e+07 x, 1 near ties;
+  - ret_not_reset (the normaliser's running return not reset at an episode's end): ends64 in 5 of 5: value network's
+    rms 0.00024 apart (bound 1e-10), 2.4e+06 x, 2 near ties;
+  - last_reward_dropped (the reward of an episode's last step left out of its TD error): ends64 in 5 of 5: CDFs in
+    phase 1 0.052 apart (bound 1e-10), 5.2e+08 x, 31 near ties.
+The last two pass dual64, ppo64 and detachkl64 (seed 1, 1 process each: every figure at most 1/100 of its bound), which
+see no episode end with a reward. The figures on ends64 are today's script's (2026-12-07, AVX2 kernels, load average 1
+to 6); those on dual64 and ppo64 were measured before it, the same day, and those cases have not changed since; the
+detachkl64 runs from when it ran in CI are kept in mistakes.jsonl and no longer counted.
 Run with -rP to see each run's near ties, its closest agreeing draw to a boundary, the largest differences of the two
 CDFs and the final parameter differences.
 
 The CI cases' cost at 1 thread, on this AVX2-only machine: one pytest process of this file (its 4 CI cases and 2 checks
-of the bounds) took 31.4 and 33.5 s user and 2.2 s system time, 35.4 and 37.5 s wall, in two tries at load average 4 to
-5, each case's call dual64 9.7 to 10.9 s, ppo (float32) 9.8 to 10.8 s, detachkl64 6.4 to 6.8 s and ppo64 4.6 to 4.9 s;
-at load average 8 to 20 it took 40 s user. (The three float32 CI cases before them, dual, ppo and ppgkl, took 42 to 44 s
-user on the AVX-512 machine, 2026-12-06.) Float64's convolutions have no oneDNN kernel: the dual64 configuration at seed
-1 took 6.5 s of CPU time in float32 and 13.4 s in float64 (both codes' runs, load average 3.5; at load average 9, 8.6
-and 16 s); at 2 envs x 32 steps with N_pi 2 (a larger version of it) 25 s and 130 s, as float64's cost a state grows
-with the batch (the IMPALA trunk's forward and backward pass at 1 thread: float32 6 to 7 ms a state at batches of 2 to
-64, float64 14 ms at 2 and 23 ms at 64; load average about 6)."""
+of the bounds) took 38.3 and 38.9 s user and 2.8 and 2.1 s system time, 42.9 and 42.8 s wall, in two tries at load
+average 1.3 to 2.5 (2026-12-07), each case's call dual64 12.4 and 13.1 s, ppo (float32) 12.1 and 11.6 s, ends64 8.0 and
+8.4 s and ppo64 5.6 and 5.5 s; at load average 5 to 6, 46.0 s user and 2.4 s system. The file as it was with detachkl64
+in CI in its place, run right after those two tries (load average 2.2 to 2.6), took 42.4 s user and 2.7 s system
+(detachkl64's call 9.1 s); earlier that day, at load average 4 to 5, that file had taken 31.4 and 33.5 s user, and at 8
+to 20, 40 s: the machine's speed varies more than the two files differ. (The three float32 CI cases before them, dual,
+ppo and ppgkl, took 42 to 44 s user on the AVX-512 machine, 2026-12-06.) Float64's convolutions have no oneDNN kernel:
+the dual64 configuration at seed 1 took 6.5 s of CPU time in float32 and 13.4 s in float64 (both codes' runs, load
+average 3.5; at load average 9, 8.6 and 16 s); at 2 envs x 32 steps with N_pi 2 (a larger version of it) 25 s and 130 s,
+as float64's cost a state grows with the batch (the IMPALA trunk's forward and backward pass at 1 thread: float32 6 to 7
+ms a state at batches of 2 to 64, float64 14 ms at 2 and 23 ms at 64; load average about 6)."""
 
 import contextlib
 import importlib.util
@@ -210,17 +242,32 @@ CONFIGS.update(
     detachkl64=dict(
         SMALL, env_id="dodgeball", arch="detach", clip_coef=0.0, kl_penalty=1.0, n_pi=2, e_aux=1, aux_mb_trajectories=2
     ),
+    # detachkl64 on maze's easy level 85 alone: episodes of 2 to 30-odd steps end within a rollout and across its
+    # end, each with its one reward (10) on its last step, so that the reward normaliser's reset at an episode's end
+    # and GAE's handling of that step are exercised (maze gives no reward before an episode's last step)
+    ends64=dict(
+        SMALL,
+        env_id="maze",
+        num_levels=1,
+        start_level=85,
+        arch="detach",
+        clip_coef=0.0,
+        kl_penalty=1.0,
+        n_pi=2,
+        e_aux=1,
+        aux_mb_trajectories=2,
+    ),
 )
-FLOAT64 = ("dual64", "ppo64", "detachkl64")
-CI = ("ppo", *FLOAT64)
+FLOAT64 = ("dual64", "ppo64", "detachkl64", "ends64")
+CI = ("ppo", "dual64", "ppo64", "ends64")
 # The mistakes the float64 CI cases must catch, each one edit of a scratch copy (docs/logs/whole-run-bounds/README.md)
 MISTAKES = ("clone_kl_reversed", "pi_old_every_epoch", "adv_per_minibatch", "fresh_aux_adam", "fresh_adam")
-MISTAKES += ("pi_old_start", "rnorm_reset", "kl_sign", "kl_half")
+MISTAKES += ("pi_old_start", "rnorm_reset", "kl_sign", "kl_half", "ret_not_reset", "last_reward_dropped")
 PROCESSES = 5  # each mistake's least count of processes on a configuration that catches it, in mistakes.jsonl
-# What a run must exercise: at least this many finished episodes and nonzero rewards (chaser's 24 or 48 env steps
-# end no episode, dodgeball's no reward: the float64 cases split the two between them, the float32 PPO case has both)
-FLOORS = {c: (3, 5) for c in CONFIGS}
-FLOORS.update(dual64=(0, 5), ppo64=(0, 5), detachkl64=(3, 0))
+# What a run must exercise: at least this many finished episodes, nonzero rewards, and nonzero rewards on an episode's
+# last step (chaser's 24 or 48 env steps end no episode, dodgeball's give no reward; ends64 has all three)
+FLOORS = {c: (3, 5, 0) for c in CONFIGS}
+FLOORS.update(dual64=(0, 5, 0), ppo64=(0, 5, 0), detachkl64=(3, 0, 0), ends64=(5, 5, 5))
 # How a configuration's bounds follow from its worst measured figures (see the module's docstring): `margin` times the
 # worst, rounded up to 2 digits, at least `floor`, and at least `ties` near ties. Float32: 3 x, as any wider leaves a
 # mistake room to hide; float64: 100 x, and at least 1e-10, far below every mistake's effect and far above rounding
@@ -261,6 +308,7 @@ BOUNDS = {
     "dual64": Bounds(0, 3.4e-08, 1e-10, 3.4e-08, params=dict(policy=(5.5e-08, 2.9e-10), value=(1e-10, 1e-10))),
     "ppo64": Bounds(0, 1e-10, 1e-10, 1e-10, params=dict(policy=(1e-10, 1e-10), value=(1e-10, 1e-10))),
     "detachkl64": Bounds(0, 6.1e-09, 1e-10, 6.1e-09, params=dict(policy=(2.3e-07, 4.8e-10), value=(3.5e-10, 1e-10))),
+    "ends64": Bounds(0, 9.8e-09, 1e-10, 9.8e-09, params=dict(policy=(2.9e-08, 1e-10), value=(3.6e-10, 1e-10))),
 }
 
 _randperm = torch.randperm  # the originals: the patched ones draw from them
@@ -477,13 +525,14 @@ def whole_runs(rel, config: str, seed: int, tmp_path, monkeypatch, bounds: Bound
     torch.manual_seed(seed)
     model = rs.released_model(rel, args.arch, script.OBS_SHAPE, script.NUM_ACTIONS).to(dtype)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    logdir, nonzero = tmp_path / "released", []
+    logdir, nonzero, rollouts = tmp_path / "released", [], []
     logdir.mkdir()
     rs.fresh_logger(rel)
     normalize = rel.reward_normalizer.RewardNormalizer.__call__
 
     def counting(normalizer, reward, first):  # each rollout's raw rewards, as the released ppo.learn scales them
         nonzero.append(int((reward != 0).sum()))
+        rollouts.append((reward != 0, first.bool()))
         return normalize(normalizer, reward.to(dtype), first)  # float32 from the env (integers: exact in both)
 
     printed = io.StringIO()  # both runs' progress lines: -rP shows the comparison's summary alone
@@ -534,8 +583,19 @@ def whole_runs(rel, config: str, seed: int, tmp_path, monkeypatch, bounds: Bound
             (float(r), int(n)) for r, n in zip(logged["charts/episodic_return"], logged["charts/episodic_length"])
         ],
         nonzero=sum(nonzero),
+        last_rewards=last_step_rewards(rollouts),
         networks=parameter_differences(agent, model),
     )
+
+
+def last_step_rewards(rollouts: list) -> int:
+    """How many nonzero rewards came on an episode's last step, from each rollout's (reward != 0, first) as the
+    released ppo.learn holds them: reward[:, t] follows the action at t, and first[:, t + 1] marks that this action
+    ended its episode (the run's very last step, whose `first` comes with no rollout, is not counted)."""
+    if not rollouts:
+        return 0
+    rewarded, first = (torch.cat(parts, dim=1) for parts in zip(*rollouts))
+    return int((rewarded[:, :-1] & first[:, 1:]).sum())
 
 
 def parameter_differences(agent, model) -> dict:
@@ -562,7 +622,8 @@ def test_whole_run(rel, config, tmp_path, monkeypatch):
     draws = f"{len(c.draws) * envs} action draws ({len(c.draws)} steps of {envs} envs)"
     print(f"{config}, seed {SEED}, {torch.get_num_threads()} thread(s): {draws}, {len(c.perms)} minibatch orders")
     ties = f"{len(c.near_ties)} near ties (at most {b.near_ties}, each within {b.delta:g})"
-    print(f"  {len(episodes)} episodes ended, {r['nonzero']} nonzero rewards; {ties}")
+    rewards = f"{r['nonzero']} nonzero rewards ({r['last_rewards']} on an episode's last step)"
+    print(f"  {len(episodes)} episodes ended, {rewards}; {ties}")
     for where, distance in c.near_ties:
         print(f"    at {where}: the uniform {distance:.3g} from our interval of the released action")
     print(f"  the closest agreeing draw to one of our boundaries: {c.margin:.3g} away")
@@ -574,8 +635,11 @@ def test_whole_run(rel, config, tmp_path, monkeypatch):
         print(f"  {network} network's final parameters: apart by {worst:.3g} at most ({where}; bound {most:g}),")
         print(f"    root mean square {rms:.3g} (bound {most_rms:g})")
     assert same_episodes(episodes, r["released_episodes"]), f"episodes: ours {episodes}, {r['released_episodes']}"
-    least_episodes, least_rewards = FLOORS[config]
-    assert len(episodes) >= least_episodes and r["nonzero"] >= least_rewards, "too few episodes or rewards to exercise"
+    least_episodes, least_rewards, least_last = FLOORS[config]
+    assert len(episodes) >= least_episodes and r["nonzero"] >= least_rewards and r["last_rewards"] >= least_last, (
+        f"too few episodes or rewards to exercise: {len(episodes)} episodes, {r['nonzero']} nonzero rewards, "
+        f"{r['last_rewards']} on an episode's last step (at least {least_episodes}, {least_rewards}, {least_last})"
+    )
     for network, (worst, where, rms) in r["networks"].items():
         most, most_rms = b.params[network]
         assert worst <= most, f"{network} network: final parameters apart by {worst:.3g} ({where}) > {most:g}"
@@ -602,8 +666,9 @@ def test_bounds_come_from_the_committed_measurements():
     """BOUNDS are what docs/logs/whole-run-bounds holds: every configuration's bound follows from the worst of its runs
     in correct.jsonl by its RULES (python tools/whole_run_bounds.py --summarise docs/logs/whole-run-bounds/correct.jsonl
     prints them), over 10 seeds or more, every one of which passes them, the float64 ones with every figure at most
-    1/10 of its bound; and each of the MISTAKES, in every one of its PROCESSES or more in mistakes.jsonl, lies at least
-    10 times past a bound of a float64 CI configuration (the runs there carry no bound: all their figures)."""
+    1/10 of its bound; each of the MISTAKES, in every one of its PROCESSES or more in mistakes.jsonl, lies at least
+    10 times past a bound of a float64 CI configuration (the runs there carry no bound: all their figures); and a
+    float64 CI configuration's FLOORS ask for episode ends, rewards and rewards on an episode's last step."""
     tool = bounds_tool()
     folder = ROOT / "docs" / "logs" / "whole-run-bounds"
     correct = tool.read_runs([folder / "correct.jsonl"], list(CONFIGS))
@@ -617,12 +682,14 @@ def test_bounds_come_from_the_committed_measurements():
             assert [name for name in tool.broken(run, BOUNDS[config]) if name != floor] == [], (config, run["seed"])
             assert config not in FLOAT64 or tool.overshoot(run, BOUNDS[config]) <= 0.1, (config, run["seed"])
     caught = {}  # {mistake: the most, over the float64 CI configurations, of its least overshoot in PROCESSES or more}
-    for label, runs in tool.read_runs([folder / "mistakes.jsonl"], list(FLOAT64)).items():
+    for label, runs in tool.read_runs([folder / "mistakes.jsonl"], [c for c in FLOAT64 if c in CI]).items():
         config, script = label.split(" ", 1)
         least = min(tool.overshoot(run, BOUNDS[config]) for run in runs) if len(runs) >= PROCESSES else 0.0
         name = pathlib.Path(script.strip("()")).parent.name  # the scratch copy's folder: the mistake's name
         caught[name] = max(caught.get(name, 0.0), least)
     assert sorted(caught) == sorted(MISTAKES) and min(caught.values()) >= 10, caught
+    ends = [c for c in CI if c in FLOAT64 and min(FLOORS[c]) >= 1]  # episodes end, rewards come, some on a last step
+    assert ends, "no float64 CI configuration is held to see episodes end with rewards (FLOORS)"
 
 
 def test_bounds_tool(tmp_path, monkeypatch, capsys):
