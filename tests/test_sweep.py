@@ -374,7 +374,7 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     submitit's controller signals it --signal-delay-s before --time-min (SIGUSR2: the job is requeued and resumes in the
     same sweep); the sweep gets SIGTERM (`kill -TERM` of its process alone: it passes it to the run and waits for it,
     exit 143, no traceback; --status says the run stopped); every process of it is killed (SIGKILL, a lost machine: the
-    training process, in a session of its own, is stopped by its parent-death signal). Each new run of the command resumes, and the run ends at
+    training process, in a process group of its own, is stopped by its parent-death signal). Each new run of the command resumes, and the run ends at
     its planned step, each step logged once. (The signal is sent by hand, so the test does not hang on this machine's
     speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment. Each stop
     waits for a checkpoint of the start it stops, read from the files, not from the time: a loaded machine runs the

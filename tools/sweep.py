@@ -3,7 +3,8 @@
     python tools/sweep.py --experiment ppg --cluster slurm --partition gpu --gpus-per-job 1 --cpus-per-job 8 \\
         --time-min 1440                            # the released PPG runs: 16 hard-mode games x 3 seeds at 100M steps
     python tools/sweep.py --experiment e-aux --dry-run   # the jobs, their folders and what each would do
-    python tools/sweep.py --experiment ppg --status      # where each run stands: done, running, queued or failed
+    python tools/sweep.py --experiment ppg --status      # where each run stands: done, running, stopped, failed...
+    python tools/sweep.py --name ppg --status            # the same, read from the sweep's folder alone
     python tools/sweep.py --name small --games bigfish --seeds 1 2 --cluster local --jobs 2 -- --total-timesteps 2000000
 
 An experiment is one of the seven that the released code's README reproduces (tools/experiments.py: ppg, ppo, ppgkl,
@@ -28,8 +29,9 @@ says which do): it would start each unfinished run a second time.
 --cluster slurm submits every job as one job array and returns; a job that reaches its time limit, or that the cluster
 preempts (with its warning signal, or with SIGTERM as `scontrol requeue` does), is requeued and resumes from its last
 phase checkpoint. --gpus-per-job 0 asks for no GPU (a CPU partition). --cluster local runs the jobs here and holds the
-queue in the foreground: at most one job a GPU at once (each sees only its own GPU), or --jobs N without GPUs; Ctrl-C
-stops them (each run keeps its last checkpoint) and the next run of the command resumes them. Every flag is checked
+queue in the foreground: at most one job a GPU at once (each sees only its own GPU), or --jobs N without GPUs; SIGTERM
+or Ctrl-C is passed to the running runs, which stop keeping their last checkpoint; the sweep waits for them and the
+next run of the command resumes them, each at the thread count it started with (recorded in its folder's sweep.json). Every flag is checked
 against the script before any job is submitted: a bad one stops the sweep in one line.
 
 The steps of main(), in the order of this file: read the command; plan every run, checked against the script (what a
@@ -447,7 +449,7 @@ class TrainRun(submitit.helpers.Checkpointable):
         with open(folder / "train.log", "a") as log:  # each start: its command, its output, when it ran
             log.write(f"\n# start {time.time():.3f} threads {threads}\n$ {shlex.join(command)}\n")
             log.flush()
-            # Its own session: a terminal's Ctrl-C reaches the sweep alone, which passes it on once (a second signal
+            # A process group of its own (setsid): a terminal's Ctrl-C reaches the sweep alone, which passes it on once (a second signal
             # would stop the script within its stop)
             self.process = subprocess.Popen(
                 command,
@@ -693,7 +695,7 @@ def print_plan(opts, script: str, jobs: list, module, methods_args: dict) -> lis
 
 def training_processes(controller: int, script: str) -> list:
     """The training processes under a local job's controller (submitit's, whose pid is the job's id): each leads a
-    process group of its own (TrainRun starts it in a session of its own), runs the script (not a child between fork
+    process group of its own (TrainRun starts it in one of its own), runs the script (not a child between fork
     and exec, which a signal would not stop), and is a descendant of the controller."""
     parents, groups = {}, {}
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
