@@ -2,12 +2,14 @@
 sbatch replaced by a recording stand-in, on SLURM. Each run's folder decides what a start does: done, resume, start."""
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +129,9 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
             "error: --method 'a__b=--e-aux 1'",
         ),
         (["--games", "dodgeball", "--threads", "-1"], "error: --threads must be at least 0"),
+        # a flag of the sweep after --, which the script would refuse in tyro's words
+        (["--games", "dodgeball", "--", "--status"], "error: --status after --: a flag of tools/sweep.py, not of the"),
+        (["--games", "dodgeball", "--", "--cpus_per_job=4"], "error: --cpus_per_job after --: a flag of tools/sweep"),
         # the grid's own flags, in either form, after -- or in a method: they would win over the grid's values while
         # the run's folder is named by the grid's
         (["--games", "dodgeball", "--", "--seed", "5"], "error: --seed after --: the grid gives each run its own"),
@@ -367,8 +372,9 @@ def job_process(root: pathlib.Path) -> int:
 def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     """One run through every way a sweep stops, each after the run's next phase checkpoint: the job is signalled as
     submitit's controller signals it --signal-delay-s before --time-min (SIGUSR2: the job is requeued and resumes in the
-    same sweep); the sweep gets Ctrl-C (SIGINT to its process group, as a terminal sends it: exit 130, no traceback);
-    every process of it is killed (SIGKILL, a lost machine). Each new run of the command resumes, and the run ends at
+    same sweep); the sweep gets SIGTERM (`kill -TERM` of its process alone: it passes it to the run and waits for it,
+    exit 143, no traceback; --status says the run stopped); every process of it is killed (SIGKILL, a lost machine: the
+    training process, in a process group of its own, is stopped by its parent-death signal). Each new run of the command resumes, and the run ends at
     its planned step, each step logged once. (The signal is sent by hand, so the test does not hang on this machine's
     speed; that --time-min and --signal-delay-s reach the controller is read from the job's environment. Each stop
     waits for a checkpoint of the start it stops, read from the files, not from the time: a loaded machine runs the
@@ -398,13 +404,14 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
         time.sleep(0.3)  # into the next phase
 
     def wait_until_gone(proc):
-        """Until every process of the ended sweep's process group (its jobs' and training processes) has ended too."""
+        """Until every process of the ended sweep's process group (its jobs') and its training process have ended."""
         deadline = time.time() + PATIENCE_S
         while True:
             try:
                 os.killpg(proc.pid, 0)  # raises once no process of the group is left
             except ProcessLookupError:
-                return
+                if not processes_in(tmp_path):
+                    return
             assert time.time() < deadline, "a process of the sweep outlived it"
             time.sleep(0.2)
 
@@ -419,11 +426,22 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     assert "stopped by SIGTERM; resume with" in log and re.search(
         r"^\$ .* --resume .* --total-timesteps 640$", log, re.M
     )
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    os.kill(proc.pid, signal.SIGTERM)  # kill -TERM of the sweep alone
     out, err = proc.communicate(timeout=PATIENCE_S)
-    assert proc.returncode == 130 and "run the same command to resume" in out and "Traceback" not in err, err
-    wait_until_gone(proc)  # the training process may end after the sweep on a loaded machine
-    assert "stopped by SIGINT; resume with" in (folder / "train.log").read_text() and final_step(folder) < 640
+    assert proc.returncode == 143 and "run the same command to resume" in out and "Traceback" not in err, err
+    assert not processes_in(tmp_path)  # the sweep waited for its run to stop
+    assert starts_and_ends(folder)[-1] and (folder / "train.log").read_text().rstrip().endswith(
+        "to resume it, run the sweep again: "
+        + shlex.join(["python", "tools/sweep.py", "--root", str(tmp_path), *argv])
+        + f" (in {ROOT})"
+    )
+    assert final_step(folder) < 640
+    at = argv.index("--")  # --status as a sweep's flag, before --; or with --name alone
+    for status in (sweep(tmp_path, *argv[:at], "--status", *argv[at:]), sweep(tmp_path, "--name", "k", "--status")):
+        line = re.search(r"^stopped +dodgeball__ppg__1: step \d+ of 640 .*$", status.stdout, re.M)
+        assert line and re.search(r"; stopped at step \d+ by SIGTERM: rerun the sweep to resume$", line[0]), (
+            status.stdout
+        )
 
     proc = subprocess.Popen(command, **interactive)
     wait_for_checkpoint(proc, 3)
@@ -449,12 +467,17 @@ def test_the_slurm_path_submits_an_array_with_resources_command_and_requeue(tmp_
         (bin_dir / tool).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     argv = ["--name", "s", "--games", "dodgeball", "--seeds", "1", "2", "--methods", "ppg", "--cluster", "slurm"]
-    argv += ["--partition", "gpu", "--gpus-per-job", "1", "--cpus-per-job", "8", "--time-min", "1440"]
+    argv += ["--partition", "gpu", "--gpus-per-job", "1", "--cpus-per-job", "8", "--time-min", "1440", "--mem-gb", "32"]
     done = sweep(tmp_path / "runs", *argv, "--", *SWEEP_TINY, env=env)
     assert done.returncode == 0 and "submitted 2 jobs: 4242_0, 4242_1" in done.stdout, done.stderr[-2000:]
+    asked = "each job asks SLURM for: partition gpu, GPUs 1, CPUs 8, time 1440 min, 32 GiB of memory; 8 OMP threads"
+    assert done.stdout.count(asked) == 1, done.stdout  # once, before the runs
     script = (tmp_path / "submitted.sh").read_text()
     for line in ["--partition=gpu", "--gpus-per-node=1", "--cpus-per-task=8", "--time=1440", "--signal=USR2@120"]:
         assert f"#SBATCH {line}" in script, line
+    assert "#SBATCH --mem=32768M" in script
+    record = json.loads((tmp_path / "runs" / "s" / "dodgeball__ppg__1" / "sweep.json").read_text())
+    assert (record["total"], record["threads"], record["script"]) == (192, 8, "ppg_procgen.py")
     assert "#SBATCH --array=0-1%" in script and "submitit.core._submit" in script
     # what each array task runs: a TrainRun (a submitit Checkpointable: requeued on the signal) of one run's folder
     import cloudpickle
@@ -507,11 +530,12 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
             log.append(self.gpus)
             return Job(self.gpus)
 
-    opts = types.SimpleNamespace(gpus=2, jobs=1, threads=0)
+    opts = types.SimpleNamespace(gpus=2, jobs=1, threads=0, cluster="local", command="python tools/sweep.py", cwd="/")
     jobs = [(tmp_path / f"run{i}", [], 1) for i in range(5)]
     assert tool.run_local(opts, "ppg_procgen.py", jobs, Executor()) == 0
     assert len(log) == 5 and set(log) == {(0,), (1,)} and log[:2] == [(0,), (1,)]
     assert "GPU 1" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run0" / "sweep.json").read_text())["threads"] == 8  # recorded for its resumes
     # what a job runs gets them: OMP_NUM_THREADS in its training process (a stand-in script that prints it)
     script = tmp_path / "script.py"
     script.write_text("import os; print('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS'))\n")
@@ -563,7 +587,7 @@ def test_a_failed_job_is_one_line_and_the_queue_goes_on(tmp_path, capsys, monkey
         def submit(self, function, *args):
             return Job(errors.pop(0))
 
-    opts = types.SimpleNamespace(gpus=0, jobs=1, threads=1)
+    opts = types.SimpleNamespace(gpus=0, jobs=1, threads=1, cluster="local", command="python tools/sweep.py", cwd="/")
     jobs = [(tmp_path / f"run{i}", [], 1) for i in range(3)]
     assert tool.run_local(opts, "ppg_procgen.py", jobs, Executor()) == 1
     out = capsys.readouterr().out.splitlines()
@@ -607,10 +631,16 @@ def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path,
             ("queued", "step 64 of 192", "; job 9_1 PENDING, BeginTime"),
         ),
         (
-            log + "# end 2.0 exit 143\n",
+            log + "stopped by SIGTERM; resume with: python ppg_procgen.py --resume /x\n# end 2.0 exit 143\n",
             "slurm 9_1",
             {},
-            ("failed", "step 64 of 192", "; exit 143: error: non-finite loss"),
+            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGTERM: rerun the sweep to resume"),
+        ),
+        (
+            log + "# end 2.0 exit 130\n# stopped by SIGINT, a run of a sweep: to resume it, run the sweep again\n",
+            f"local {2**22 + 1}",  # past Linux's largest pid: its process has ended
+            None,
+            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGINT: rerun the sweep to resume"),
         ),
         (
             log,
@@ -634,3 +664,146 @@ def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path,
         assert tool.run_status(folder, 192, squeue) == expected, i
     done = sweep_grid.folder / "dodgeball__ppg__1"  # its checkpoint at 192, the budget raised to 256
     assert tool.run_status(done, 256, None) == ("to resume", "step 192 of 256", "")
+    # --name NAME --status alone: every run of the sweep, from its folder, as recorded at its submission
+    tool.main(["--root", str(sweep_grid.root), "--name", "grid", "--status"])
+    assert capsys.readouterr().out.splitlines() == lines
+    copy = tmp_path / "sweeps" / "old"  # a run submitted before plans were recorded: its checkpoint's flags plan it
+    shutil.copytree(done, copy / done.name)
+    (copy / done.name / "sweep.json").unlink()
+    tool.main(["--root", str(tmp_path / "sweeps"), "--name", "old", "--status"])
+    assert capsys.readouterr().out.splitlines() == [lines[0], "1 runs: 1 done"]
+
+
+# A stand-in training script that stops as the scripts stop (128 + the signal, its stop line) and writes down every
+# signal it gets, and that it has started: a sweep's stop is read from it without a training run
+STAND_IN = """
+import os, signal, sys, time
+def stop(signum, frame):
+    with open("signals", "a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+    print("stopped by " + signal.Signals(signum).name, flush=True)
+    time.sleep(1)  # a stop takes a while: a second signal within it is written down too
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+open("started", "w").close()
+while True:
+    time.sleep(0.1)
+"""
+
+# The local queue of 3 runs, 2 at once, in a process of its own (as tools/sweep.py runs it), on the stand-in script
+LOCAL_QUEUE = """
+import importlib.util, sys, types, submitit
+spec = importlib.util.spec_from_file_location("sweep_tool", sys.argv[1])
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+root, script = sys.argv[2], sys.argv[3]
+opts = types.SimpleNamespace(gpus=0, jobs=2, threads=1, cluster="local", command="python tools/sweep.py ...", cwd=root)
+executor = submitit.LocalExecutor(root + "/.submitit")
+executor.update_parameters(timeout_min=60)
+sys.exit(tool.run_local(opts, script, [(tool.pathlib.Path(root, f"run{i}"), [], 1) for i in range(3)], executor))
+"""
+
+
+def processes_in(folder: pathlib.Path) -> list:
+    """The pids of the processes whose working directory lies in folder."""
+    found = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (proc / "cwd").resolve().is_relative_to(folder):
+                found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_stopped_sweep_passes_the_signal_to_its_runs_and_waits_for_them(tmp_path, how):
+    """SIGTERM to the sweep's process alone (`kill -TERM`), or SIGINT to its whole process group (a terminal's Ctrl-C):
+    each running training process gets the signal once, stops as the scripts stop (128 + the signal, logged in its
+    train.log), the queue starts no other run, and the sweep exits with 128 + the signal once no training process is
+    left. (A stand-in script: the real scripts' stop and resume are test_a_sweep_signalled_stopped_and_killed_...'s.)"""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    # its output to a file, not a pipe, which a job left running would hold open: the test waits for the sweep alone
+    printed = open(tmp_path / "printed", "w+")
+    interactive = dict(stdout=printed, stderr=subprocess.STDOUT, start_new_session=True)
+    interactive["preexec_fn"] = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)  # as at a terminal
+    command = [sys.executable, "-c", LOCAL_QUEUE, str(ROOT / "tools" / "sweep.py"), str(tmp_path), str(script)]
+    proc = subprocess.Popen(command, **interactive)
+    deadline = time.time() + PATIENCE_S  # a hang guard only
+    while not all((tmp_path / f"run{i}" / "started").exists() for i in (0, 1)):
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "printed").read_text()
+        time.sleep(0.1)
+    signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    if how == "SIGTERM":
+        os.kill(proc.pid, signum)
+    else:
+        os.killpg(proc.pid, signum)
+    proc.wait(timeout=PATIENCE_S)
+    out, left = (tmp_path / "printed").read_text(), processes_in(tmp_path)
+    for pid in left:  # nothing left running by a failed test
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum and not left, out  # no training process outlives the sweep
+    assert f"stopped by {signum.name}: 2 jobs stopped; run the same command to resume" in out, out
+    for i in (0, 1):
+        run = tmp_path / f"run{i}"
+        assert (run / "signals").read_text() == f"{signum.name}\n", i  # once: not from the terminal and the sweep
+        log = (run / "train.log").read_text()
+        assert re.search(rf"^# end [\d.]+ exit {128 + signum}$", log, re.M), log
+        assert f"# stopped by {signum.name}, a run of a sweep: to resume it, run the sweep again: python" in log
+    assert not (tmp_path / "run2").exists()  # the queue's third run never started
+
+
+def test_no_flag_of_the_sweep_is_a_flag_of_a_script():
+    """A flag of the sweep after -- is refused as the sweep's: none may be a script's flag too, which it would take."""
+    from conftest import SCRIPTS, load_script
+
+    tool = load_sweep()
+    for name in SCRIPTS:
+        fields = {f"--{field.replace('_', '-')}" for field in vars(load_script(name).Args())}
+        assert not fields & tool.sweep_options(), name
+
+
+def test_a_dry_run_shows_each_jobs_resources_and_each_runs_memory(tmp_path):
+    """The paper's batch on a GPU job: B (8,192 trajectories x 256 steps, each step a 64x64x3 uint8 frame and 38 bytes
+    of other fields, and 15 logits: 24.18 GiB) and its activations, as the script plans them; on a CPU partition the
+    runs' RAM, in chunks of 256 states. Each job's request, once."""
+    argvs = [
+        ["--experiment", "ppg", "--cluster", "slurm", "--partition", "gpu", "--dry-run"],
+        ["--experiment", "ppo", "--cluster", "slurm", "--gpus-per-job", "0", "--cpus-per-job", "4", "--dry-run"],
+    ]
+    (stop, gpu), (stop_cpu, cpu) = mains_in_one_process(tmp_path, argvs)
+    assert stop is None and stop_cpu is None, (stop, stop_cpu)
+    assert gpu.count("each job asks SLURM for: partition gpu, GPUs 1, CPUs 8, time 1440 min, the cluster's") == 1
+    step_bytes = 64 * 64 * 3 + 8 + 4 + 4 + 4 + 4 + 1 + 4 + 4 + 15 * 4  # obs, actions, 6 floats, ended, logits
+    assert f"B {8192 * 256 * step_bytes / 2**30:.2f} GiB" == "B 24.18 GiB"
+    memory = [line for line in gpu.splitlines() if line.startswith("memory a run")]
+    assert memory[0].startswith("memory a run (ppg): B 24.18 GiB + activations ") and "GiB of GPU memory" in memory[0]
+    assert len(memory) == 1 and "(whole minibatches)" in memory[0], memory
+    assert cpu.count("partition the cluster's default, GPUs 0, CPUs 4,") == 1, cpu
+    assert re.search(
+        r"^memory a run \(ppo\): B [\d.]+ GiB \+ activations [\d.]+ GiB \(chunks of 256 states\) = [\d.]+ GiB of RAM$",
+        cpu,
+        re.M,
+    ), cpu
+
+
+def test_a_run_keeps_the_threads_it_started_with(sweep_grid, tmp_path, capsys, monkeypatch):
+    """A run with a checkpoint resumes at the thread count recorded at its start, whatever --threads, --jobs or the
+    cores say now; a run without one takes today's count. The dry run names a run that keeps another count."""
+    tool = load_sweep()
+    run = tmp_path / "run"
+    shutil.copytree(sweep_grid.folder / "dodgeball__ppg__1", run)
+    record = json.loads((run / "sweep.json").read_text())
+    assert record["threads"] == max(1, (os.cpu_count() or 1) // 2)  # the grid's --jobs 2: half the cores
+    (run / "sweep.json").write_text(json.dumps(dict(record, threads=3)))
+    assert tool.kept_threads(run, 8) == 3
+    shutil.rmtree(run / "runs")  # no checkpoint: a fresh start, at today's count
+    assert tool.kept_threads(run, 8) == 8
+    at = sweep_grid.argv.index("--jobs")
+    argv = [*sweep_grid.argv[:at], "--jobs", "1", "--threads", "5", "--dry-run", "--", *SWEEP_TINY]
+    argv += ["--total-timesteps", "256"]  # the grid's runs to resume
+    monkeypatch.setitem(sys.modules, "ppg_procgen", sys.modules.get("ppg_procgen"))  # sweep.py loads its own
+    tool.main(["--root", str(sweep_grid.root), *argv])
+    resumes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume ")]
+    expected = f"(its {record['threads']} threads, as at its start): "
+    assert len(resumes) == 4 and all(expected in line for line in resumes), resumes

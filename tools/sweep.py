@@ -3,7 +3,8 @@
     python tools/sweep.py --experiment ppg --cluster slurm --partition gpu --gpus-per-job 1 --cpus-per-job 8 \\
         --time-min 1440                            # the released PPG runs: 16 hard-mode games x 3 seeds at 100M steps
     python tools/sweep.py --experiment e-aux --dry-run   # the jobs, their folders and what each would do
-    python tools/sweep.py --experiment ppg --status      # where each run stands: done, running, queued or failed
+    python tools/sweep.py --experiment ppg --status      # where each run stands: done, running, stopped, failed...
+    python tools/sweep.py --name ppg --status            # the same, read from the sweep's folder alone
     python tools/sweep.py --name small --games bigfish --seeds 1 2 --cluster local --jobs 2 -- --total-timesteps 2000000
 
 An experiment is one of the seven that the released code's README reproduces (tools/experiments.py: ppg, ppo, ppgkl,
@@ -28,8 +29,9 @@ says which do): it would start each unfinished run a second time.
 --cluster slurm submits every job as one job array and returns; a job that reaches its time limit, or that the cluster
 preempts (with its warning signal, or with SIGTERM as `scontrol requeue` does), is requeued and resumes from its last
 phase checkpoint. --gpus-per-job 0 asks for no GPU (a CPU partition). --cluster local runs the jobs here and holds the
-queue in the foreground: at most one job a GPU at once (each sees only its own GPU), or --jobs N without GPUs; Ctrl-C
-stops them (each run keeps its last checkpoint) and the next run of the command resumes them. Every flag is checked
+queue in the foreground: at most one job a GPU at once (each sees only its own GPU), or --jobs N without GPUs; SIGTERM
+or Ctrl-C is passed to the running runs, which stop keeping their last checkpoint; the sweep waits for them and the
+next run of the command resumes them, each at the thread count it started with (recorded in its folder's sweep.json). Every flag is checked
 against the script before any job is submitted: a bad one stops the sweep in one line.
 
 The steps of main(), in the order of this file: read the command; plan every run, checked against the script (what a
@@ -39,10 +41,13 @@ do; run the runs that are not done, here or on SLURM.
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import glob
 import importlib.util
 import io
+import json
 import math
 import os
 import pathlib
@@ -71,6 +76,12 @@ GRID_FIX = "(use --games, --seeds or --methods; a run resumes from its folder by
 RELEASED_FIX = "(the released runs' game, seed and name; a run resumes from its folder by itself)"
 POLL_S = 0.5  # how often the local queue looks at its jobs
 JOB_FILE = "job_id"  # in a run's folder: "<cluster> <job id>" of the job last submitted for it, read by --status
+# In a run's folder: what the sweep planned for it (its command, the script, its planned steps, the threads it started
+# with), written at each submission and read back by the next: --status needs no command to read it, and a resume keeps
+# the run's thread count
+RECORD_FILE = "sweep.json"
+STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a local sweep, passed on to its runs
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): a signal the kernel sends a process when its parent ends
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED")  # SLURM's states of a job not running now
 
 
@@ -113,6 +124,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--partition", default=None, help="slurm: the partition")
     parser.add_argument("--gpus-per-job", type=int, default=1, help="slurm: GPUs a job (0: none, a CPU partition)")
     parser.add_argument("--cpus-per-job", type=int, default=8, help="slurm: CPUs a job")
+    parser.add_argument(
+        "--mem-gb", type=float, default=None, help="slurm: memory a job, in GiB (default: the cluster's)"
+    )
     parser.add_argument("--time-min", type=float, default=60 * 24, help="a job's time limit, in minutes")
     parser.add_argument("--signal-delay-s", type=int, default=120, help="the stop signal comes this long before it")
     parser.add_argument("--max-requeues", type=int, default=10, help="requeues after the time limit, at most")
@@ -120,9 +134,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--status",
         action="store_true",
-        help="print where each run stands (done, running, queued, failed) and its env step, submit none",
+        help="print where each run stands (done, running, queued, stopped, failed) and its env step, submit none; "
+        "--name NAME --status alone: every run in the sweep's folder",
     )
     return parser
+
+
+def sweep_options() -> set:
+    """The sweep's own flags, as written on its command line."""
+    return {name for action in make_parser()._actions for name in action.option_strings if name.startswith("--")}
 
 
 def read_command(argv: list):
@@ -130,11 +150,25 @@ def read_command(argv: list):
     of range or does not go with another (the flags after -- are the script's to judge: plan_jobs)."""
     common = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    # a flag of the sweep after -- would reach the script, which refuses it in tyro's words: say where it goes instead
+    # (no flag of the sweep is one of the scripts', tests/test_sweep.py checks: --seed is the script's, --seeds ours)
+    for token in common:
+        if token.split("=")[0].replace("_", "-") in sweep_options() - {"--help"}:
+            sys.exit(
+                f"error: {token.split('=')[0]} after --: a flag of tools/sweep.py, not of the script: put it before --"
+            )
     opts = make_parser().parse_args(argv)
+    # the command as typed, from where it was typed: the hint --status gives to resume a stopped run
+    typed = ["python", os.path.relpath(__file__), *argv]
+    if common:
+        typed += ["--", *common]
+    opts.command, opts.cwd = shlex.join(typed), os.getcwd()
     least = dict(jobs=1, gpus_per_job=0, cpus_per_job=1, max_requeues=0, threads=0, gpus=0)
     for name, value in least.items():
         if getattr(opts, name) is not None and getattr(opts, name) < value:
             sys.exit(f"error: --{name.replace('_', '-')} must be at least {value}")
+    if opts.mem_gb is not None and not opts.mem_gb > 0:
+        sys.exit("error: --mem-gb must be > 0")
     if not opts.time_min > 0 or opts.signal_delay_s < 0:
         sys.exit("error: --time-min must be > 0 and --signal-delay-s >= 0")
     if opts.experiment is not None:
@@ -147,7 +181,9 @@ def read_command(argv: list):
                     f"(leave --{name} out, or --experiment for a sweep of your own)"
                 )
         opts.name = opts.name or opts.experiment
-    elif opts.name is None or opts.games is None:
+    # --name NAME --status alone: the runs in the sweep's folder, as they were recorded (main)
+    opts.from_folders = opts.experiment is None and opts.status and opts.name is not None and opts.games is None
+    if opts.experiment is None and not opts.from_folders and (opts.name is None or opts.games is None):
         sys.exit("error: --name and --games are needed (or --experiment NAME: a released experiment)")
     opts.script, opts.seeds = opts.script or "ppg_procgen.py", opts.seeds or [1, 2, 3]
     return opts, common
@@ -334,7 +370,8 @@ def plan_jobs(opts, common: list):
                     checked_args(module, dataclasses.replace(args, resume=str(run)), resumed)
                 total = planned_steps(module, args)
                 jobs.append((folder, flags, total))
-    return str(script), jobs
+    methods_args = {method: (parsed[method], rest[method]) for method in opts.methods}  # for the dry run's memory plan
+    return str(script), module, jobs, methods_args
 
 
 # ---- A job, at each of its starts: the run's folder decides what it does (nothing, a resume, a fresh start) ----
@@ -349,6 +386,47 @@ def job_command(script: str, folder: pathlib.Path, flags: list, total: int):
         return None
     # the run's flags, as at its start: the script refuses a changed training flag; the budget may raise the run's
     return [sys.executable, script, "--resume", str(run), *flags]
+
+
+def read_record(folder: pathlib.Path) -> dict:
+    """What the sweep recorded for the run in this folder (RECORD_FILE), or {} where nothing was."""
+    path = folder / RECORD_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def kept_threads(folder: pathlib.Path, threads: int) -> int:
+    """The OMP threads of the run's next start: where it has a checkpoint to resume, the count it started with, as
+    recorded (torch sums in another order at another count, so a resume at another one is not the run unbroken); a
+    fresh start, or a run whose start was not recorded, takes `threads`."""
+    recorded = read_record(folder).get("threads")
+    has_checkpoint = bool(glob.glob(f"{folder}/runs/*/checkpoint.pt"))
+    return recorded if has_checkpoint and recorded else threads
+
+
+def record_run(folder: pathlib.Path, opts, script: str, total: int, threads: int) -> None:
+    """Write down what the sweep submits for a run: read back by --status and by the next submission (kept_threads)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = dict(command=opts.command, cwd=opts.cwd, script=pathlib.Path(script).name, total=total, threads=threads)
+    (folder / RECORD_FILE).write_text(json.dumps(record) + "\n")
+
+
+def stop_signal_name(code) -> str:
+    """SIGTERM or SIGINT where a script's exit code (as logged: text) is a stop's (128 + the signal), else ''."""
+    names = {str(128 + s): signal.Signals(s).name for s in STOPS}
+    return names.get(str(code), "")
+
+
+def in_the_training_process(parent: int, libc) -> None:
+    """Run in the training process before it runs the script (preexec_fn). SLURM's warning signal (USR2) reaches every
+    process of a job: the script ignores it and is stopped by TrainRun.checkpoint, with SIGTERM, which it handles.
+    SIGINT as at any start (the job process ignores it, which the script would inherit): a stop before the script's
+    handler ends it at once. Its parent's end sends it SIGTERM, so that it stops, keeping its last checkpoint, rather
+    than train on alone where its job is killed (a kill -9 of the sweep, a lost controller)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the job ended before prctl took hold: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class TrainRun(submitit.helpers.Checkpointable):
@@ -369,27 +447,33 @@ class TrainRun(submitit.helpers.Checkpointable):
         folder.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         with open(folder / "train.log", "a") as log:  # each start: its command, its output, when it ran
-            log.write(f"\n# start {time.time():.3f}\n$ {shlex.join(command)}\n")
+            log.write(f"\n# start {time.time():.3f} threads {threads}\n$ {shlex.join(command)}\n")
             log.flush()
-            # SLURM's warning signal (USR2) reaches every process of the job: the training process ignores it and is
-            # stopped by checkpoint() below, with SIGTERM, which it handles (it closes its log and says how to resume)
+            # A process group of its own (setsid): a terminal's Ctrl-C reaches the sweep alone, which passes it on once (a second signal
+            # would stop the script within its stop)
             self.process = subprocess.Popen(
                 command,
                 cwd=folder,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN),
+                start_new_session=True,
+                # libc loaded here, not between fork and exec, nor kept on the module, which submitit pickles
+                preexec_fn=functools.partial(in_the_training_process, os.getpid(), ctypes.CDLL(None)),
             )
             try:
                 while self.process.poll() is None:  # polled, not wait(): the signal handler may stop it meanwhile
                     time.sleep(0.2)
             finally:  # also where a signal ends this start from within the loop: submitit's handler, to requeue it
-                # (its checkpoint() has stopped the script), or Ctrl-C, which reached the script too: it ends at once
+                # (its checkpoint() has stopped the script)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(timeout=30)
                 if self.process.returncode is not None:
                     log.write(f"# end {time.time():.3f} exit {self.process.returncode}\n")
+                stopped = stop_signal_name(self.process.returncode)
+                if stopped and read_record(folder):  # the script's own hint is a --resume: a sweep's run resumes so
+                    how = f"{read_record(folder)['command']} (in {read_record(folder)['cwd']})"
+                    log.write(f"# stopped by {stopped}, a run of a sweep: to resume it, run the sweep again: {how}\n")
         if self.process.returncode:
             raise RuntimeError(f"{folder.name}: the script exited with {self.process.returncode} (see its train.log)")
         return f"{folder.name}: trained to step {total:,}"  # the script exits with 0 only at its planned step
@@ -452,20 +536,23 @@ def last_start(folder: pathlib.Path):
     start = log.read_text().rsplit("# start ", 1)[1].splitlines()[1:]  # the start's command, output and end
     steps = [int(s.replace(",", "")) for s in re.findall(r" step ([\d,]+) SPS ", "\n".join(start))]
     ends = [line.rsplit(" exit ", 1)[1] for line in start if line.startswith("# end ")]
-    output = [line for line in start if line.strip() and not line.startswith(("$ ", "# end "))]
+    output = [line for line in start if line.strip() and not line.startswith(("$ ", "# end ", "# stopped "))]
     return (steps[-1] if steps else 0), (output[-1].strip() if output else "(no output)"), (ends[-1] if ends else None)
 
 
-def run_status(folder: pathlib.Path, total: int, slurm):
+def run_status(folder: pathlib.Path, total, slurm):
     """(what the run is, the env step it reached, what more to say): done, running or queued (its scheduler's state),
-    failed (the last line its script wrote), not started, to resume (its last start ended well, before a budget raised
-    since); or unknown where a SLURM job was submitted for it and no squeue answers here. The step: its last start's
-    last progress line, or its checkpoint's step where that is later."""
+    stopped (by SIGTERM or Ctrl-C: its last start ended with 128 + the signal), failed (the last line its script wrote),
+    not started, to resume (its last start ended well, before a budget raised since); or unknown where a SLURM job was
+    submitted for it and no squeue answers here. The step: its last start's last progress line, or its checkpoint's step
+    where that is later. total: the planned steps, or None where no plan was recorded."""
     _, state = last_checkpoint(folder)
     saved, start, job = (state["global_step"] if state else 0), last_start(folder), job_state(folder, slurm)
     reached = max(saved, start[0] if start else 0)
-    step = f"step {reached:,} of {total:,}" + (f" (checkpoint at {saved:,})" if saved not in (0, reached) else "")
-    if saved >= total:
+    step = f"step {reached:,} of {total:,}" if total is not None else f"step {reached:,} (no plan recorded)"
+    if saved not in (0, reached):
+        step += f" (checkpoint at {saved:,})"
+    if total is not None and saved >= total:
         return "done", step, ""
     if job is not None:
         last = f"; its log's last line: {start[1]}" if job[0] == "unknown" and start else ""
@@ -475,25 +562,109 @@ def run_status(folder: pathlib.Path, total: int, slurm):
         return "not started", step, " (submitted; no start logged: see the sweep's .submitit/ logs)" * submitted
     if start[2] == "0":  # it ended well short of these steps: the budget was raised since
         return "to resume", step, ""
+    if stop_signal_name(start[2]):  # stopped, its last checkpoint kept: not a failure
+        return (
+            "stopped",
+            step,
+            f"; stopped at step {reached:,} by {stop_signal_name(start[2])}: rerun the sweep to resume",
+        )
     how = f"exit {start[2]}" if start[2] is not None else "killed (no exit logged)"
     return "failed", step, f"; {how}: {start[1]}"
 
 
 def print_status(opts, jobs: list) -> None:
-    """A line a run, and how many runs stand where."""
-    slurm, counts = slurm_jobs(opts.name), {}
+    """A line a run, how many runs stand where, and the sweep's command (as recorded) that resumes those to resume."""
+    slurm, counts, resume = slurm_jobs(opts.name), {}, {}
     for folder, _, total in jobs:
         status, step, detail = run_status(folder, total, slurm)
         counts[status] = counts.get(status, 0) + 1
         print(f"{status:11} {folder.name}: {step}{detail}")
+        record = read_record(folder)
+        if status in ("stopped", "failed", "to resume", "not started") and record:
+            resume[record["command"]] = record["cwd"]
     print(f"{len(jobs)} runs: " + ", ".join(f"{n} {status}" for status, n in counts.items()), flush=True)
+    for command, cwd in resume.items():  # one line a command: experiments may share a sweep's folder
+        where = "" if pathlib.Path(cwd) == pathlib.Path.cwd() else f" (in {cwd})"
+        print(f"to resume: {command}{where}")
+
+
+def recorded_jobs(opts) -> list:
+    """(folder, flags, planned steps or None) of every run in the sweep's folder, from the folders themselves: the plan
+    recorded at submission, else the checkpoint's flags, as the script plans them. For --name NAME --status alone."""
+    sweep_folder = pathlib.Path(opts.root) / opts.name
+    if not sweep_folder.is_dir():
+        sys.exit(f"error: {sweep_folder}: no such sweep (--root and --name name its folder)")
+    jobs = []
+    for folder in sorted(p.resolve() for p in sweep_folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        total = read_record(folder).get("total")
+        _, state = last_checkpoint(folder)
+        if total is None and state is not None:  # a run submitted before plans were recorded
+            module = load_script(ROOT / state["script"])
+            known = {k: v for k, v in state["args"].items() if k in {f.name for f in dataclasses.fields(module.Args)}}
+            total = planned_steps(module, dataclasses.replace(module.Args(), **known))
+        jobs.append((folder, [], total))
+    return jobs
 
 
 # ---- 4. What each run would do: the listing of --dry-run, and of every submission ----
 
 
-def print_plan(opts, script: str, jobs: list) -> list:
-    """Print what each run would do (start, resume; and, with --dry-run, done) and return the runs to submit."""
+def gpu_count(opts) -> int:
+    import torch
+
+    return opts.gpus if opts.gpus is not None else torch.cuda.device_count()
+
+
+def job_threads(opts, gpus: int) -> int:
+    """The OMP threads of a job's training process that starts afresh: --threads, else on SLURM the CPUs a job asks
+    for, here an equal share of the cores, GPU runs too (torch's CPU work would otherwise take every core in every job).
+    A run with a checkpoint keeps the count it started with (kept_threads)."""
+    if opts.threads:
+        return opts.threads
+    if opts.cluster == "slurm":
+        return opts.cpus_per_job
+    return max(1, (os.cpu_count() or 1) // (gpus or opts.jobs))
+
+
+def resources_line(opts, gpus: int) -> str:
+    """What each job asks for, said once."""
+    threads = f"{job_threads(opts, gpus)} OMP threads (a resumed run: as at its start)"
+    if opts.cluster == "slurm":
+        partition = opts.partition or "the cluster's default"
+        memory = f"{opts.mem_gb:g} GiB of memory" if opts.mem_gb else "the cluster's default memory"
+        return (
+            f"each job asks SLURM for: partition {partition}, GPUs {opts.gpus_per_job}, CPUs {opts.cpus_per_job}, time "
+            f"{max(1, math.ceil(opts.time_min))} min, {memory}; {threads}; requeued at most {opts.max_requeues} times"
+        )
+    where = f"one GPU of {gpus}" if gpus else f"no GPU, {opts.jobs} jobs at once"
+    return f"each job runs here: {where}, {threads}, a time limit of {opts.time_min:g} min"
+
+
+def memory_lines(module, methods_args: dict, on_gpu: bool) -> list:
+    """The memory each method's run allocates, by the script's own plan (make_plan, memory_plan): its buffer B and a
+    chunk's activations, in GiB; on a GPU, as a GPU with room for whole minibatches runs it."""
+    plenty = float(2**60)  # free memory that no plan exceeds: the plan the run makes where all of it fits
+    lines = {}
+    for method, (args, _) in methods_args.items():
+        on_device = on_gpu and args.cuda  # --no-cuda: the CPU's RAM, even on a GPU job
+        plan = module.make_plan(args)
+        rows = (plan["trajectories"], args.num_steps)  # B's rows, as the script's main() allocates it
+        chunk, buffer_bytes, activation_bytes = module.memory_plan(args, rows, plenty, on_device)
+        chunks = f"chunks of {chunk:,} states" if chunk else "whole minibatches"
+        where = "GPU memory" if on_device else "RAM"
+        line = (
+            f"B {buffer_bytes / 2**30:.2f} GiB + activations {activation_bytes / 2**30:.2f} GiB ({chunks}) = "
+            f"{(buffer_bytes + activation_bytes) / 2**30:.2f} GiB of {where}"
+        )
+        if on_device and args.micro_batch_size is None:  # the script chooses the chunks from the memory free
+            line += "; with less free, the run takes smaller chunks (B must fit)"
+        lines.setdefault(line, []).append(method)
+    return [f"memory a run ({', '.join(methods)}): {line}" for line, methods in lines.items()]
+
+
+def print_plan(opts, script: str, jobs: list, module, methods_args: dict) -> list:
+    """Print each job's resources, each run's memory, what each run would do (start, resume; and, with --dry-run,
+    done) and return the runs to submit."""
     if opts.experiment is not None:  # what the runs are: the command's whole meaning
         variants = EXPERIMENTS[opts.experiment]["variants"]
         listed = ", ".join(f"{name} ({flags or 'the defaults'})" for name, flags in variants.items())
@@ -501,12 +672,18 @@ def print_plan(opts, script: str, jobs: list) -> list:
             f"experiment {opts.experiment}: {len(opts.games)} games x variants {listed} x seeds {opts.seeds}; "
             f"every run: {PAPER_PROTOCOL}"
         )
-    todo = []
+    gpus = opts.gpus_per_job if opts.cluster == "slurm" else gpu_count(opts)
+    print(resources_line(opts, gpus))
+    for line in memory_lines(module, methods_args, gpus > 0):
+        print(line)
+    todo, threads = [], job_threads(opts, gpus)
     for folder, flags, total in jobs:
         command = job_command(script, folder, flags, total)
         state = "done" if command is None else "resume" if "--resume" in command else "start"
+        kept = kept_threads(folder, threads)
+        at_start = f" (its {kept} threads, as at its start)" if command is not None and kept != threads else ""
         if opts.dry_run or state != "done":
-            print(f"{state:6} {folder}: {shlex.join(command or flags)}")
+            print(f"{state:6} {folder}{at_start}: {shlex.join(command or flags)}")
         if command is not None:
             todo.append((folder, flags, total))
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} done, {len(todo)} to run", flush=True)
@@ -516,32 +693,77 @@ def print_plan(opts, script: str, jobs: list) -> list:
 # ---- 5. Running the jobs: here, holding the queue in the foreground, or on SLURM, as one job array ----
 
 
-def gpu_count(opts) -> int:
-    import torch
+def training_processes(controller: int, script: str) -> list:
+    """The training processes under a local job's controller (submitit's, whose pid is the job's id): each leads a
+    process group of its own (TrainRun starts it in one of its own), runs the script (not a child between fork
+    and exec, which a signal would not stop), and is a descendant of the controller."""
+    parents, groups = {}, {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+            parents[int(stat.parent.name)], groups[int(stat.parent.name)] = int(fields[1]), int(fields[2])
+    found = []
+    for pid, group in groups.items():
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, controller):
+            ancestor = parents.get(ancestor)
+        if ancestor == controller and group == pid:
+            with contextlib.suppress(OSError):
+                if script in pathlib.Path(f"/proc/{pid}/cmdline").read_text():
+                    found.append(pid)
+    return found
 
-    return opts.gpus if opts.gpus is not None else torch.cuda.device_count()
+
+def stop_jobs(running: dict, script: str, signum: int) -> int:
+    """Pass a stop signal to each running job's training process, once, and wait until every job has ended: each
+    script stops as a stopped run stops (its last checkpoint kept, 128 + the signal). A job whose training process has
+    not started yet gets it once it has. Returns 128 + the signal, the sweep's exit code."""
+    name, signalled = signal.Signals(signum).name, set()
+    print(f"\n{name}: stopping {len(running)} running jobs (each keeps its last checkpoint)", flush=True)
+    while not all(job.done() for job, _ in running.values()):
+        for job, _ in running.values():
+            for pid in training_processes(int(job.job_id), script):
+                if pid not in signalled:
+                    with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                        os.killpg(pid, signum)  # its group, as a terminal's Ctrl-C would reach it
+                    signalled.add(pid)
+        time.sleep(POLL_S)
+    print(f"stopped by {name}: {len(running)} jobs stopped; run the same command to resume", flush=True)
+    return 128 + signum
 
 
 def run_local(opts, script: str, jobs: list, executor) -> int:
     """Hold the queue in the foreground: at most one job a slot (a GPU, or one of --jobs) at once. Returns the exit
-    code: 0 when every job ended well, 1 when one failed, 130 on Ctrl-C."""
+    code: 0 when every job ended well, 1 when one failed, 128 + the signal on SIGTERM or Ctrl-C (SIGINT), which is
+    passed to the running jobs' training processes; the sweep waits for them to stop, and starts no other."""
     gpus = gpu_count(opts)
     slots = list(range(gpus)) if gpus else list(range(opts.jobs))
-    # each job its share of the cores, with GPUs too: torch's CPU work would otherwise take every core in every job
-    threads = opts.threads or max(1, (os.cpu_count() or 1) // len(slots))
-    pending, running, failed = list(jobs), {}, 0
+    threads = job_threads(opts, gpus)
+    pending, running, failed, stopping = list(jobs), {}, 0, []
+
+    def stop(signum, frame):  # noted, then handled in the loop: a signal mid-submission loses no job
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOPS}
     try:
-        while pending or running:
+        while (pending or running) and not stopping:
             for slot in [s for s in slots if s not in running][: len(pending)]:
                 folder, flags, total = pending.pop(0)
                 executor.update_parameters(visible_gpus=(slot,) if gpus else ())
-                # submitit's controller inherits stderr, where a stop (its SIGINT) ends in a traceback: a file takes it
+                kept = kept_threads(folder, threads)
+                record_run(folder, opts, script, total, kept)
+                # submitit's controller inherits stderr, where it would log a stop: a file takes it. It and the job
+                # process inherit SIGINT ignored: a terminal's Ctrl-C, which reaches its whole process group, would
+                # have the controller kill the job process a second later, before its run had stopped; the sweep
+                # passes it on instead (a Ctrl-C within this submission is lost: press it again)
                 saved = os.dup(2)
                 with open(pathlib.Path(executor.folder) / "controllers.log", "a") as log:
                     os.dup2(log.fileno(), 2)
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
                     try:
-                        job = executor.submit(TrainRun(), script, str(folder), flags, total, threads)
+                        job = executor.submit(TrainRun(), script, str(folder), flags, total, kept)
                     finally:
+                        signal.signal(signal.SIGINT, stop)
                         os.dup2(saved, 2)
                         os.close(saved)
                 record_job(folder, "local", job.job_id)
@@ -549,7 +771,7 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
                 print(f"started {folder.name} (job {job.job_id}{f', GPU {slot}' if gpus else ''})", flush=True)
             time.sleep(POLL_S)
             for slot, (job, folder) in list(running.items()):
-                if job.done():
+                if job.done() and not stopping:  # a job ended by the stop is the stop's to report
                     del running[slot]
                     try:
                         print(job.result(), flush=True)
@@ -560,15 +782,11 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
                         print(
                             f"failed {folder.name}: {str(reason).strip()}; run the command again to resume", flush=True
                         )
-    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every job too: let them stop, then cancel any left
-        deadline = time.time() + 5
-        while time.time() < deadline and not all(job.done() for job, _ in running.values()):
-            time.sleep(POLL_S)
-        for job, _ in running.values():
-            if not job.done():
-                job.cancel()
-        print(f"\nstopped {len(running)} running jobs (each keeps its last checkpoint); run the same command to resume")
-        return 130
+        if stopping:
+            return stop_jobs(running, script, stopping[0])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 1 if failed else 0
 
 
@@ -583,10 +801,17 @@ def submit_slurm(opts, script: str, todo: list, folder: pathlib.Path) -> None:
     executor.update_parameters(cpus_per_task=opts.cpus_per_job, signal_delay_s=opts.signal_delay_s)
     if opts.gpus_per_job:  # 0: a CPU partition, where a job asks for no GPU at all
         executor.update_parameters(gpus_per_node=opts.gpus_per_job)
-    threads = opts.threads or opts.cpus_per_job
+    if opts.mem_gb:  # else the cluster's default
+        executor.update_parameters(mem=f"{math.ceil(opts.mem_gb * 1024)}M")
+    threads = [kept_threads(folder, job_threads(opts, opts.gpus_per_job)) for folder, _, _ in todo]
+    for (folder, _, total), kept in zip(todo, threads):
+        record_run(folder, opts, script, total, kept)
     try:  # submitit prints sbatch's refusal to stderr before it raises it: the one line below says it instead
         with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # one job array
-            submitted = [executor.submit(TrainRun(), script, str(f), flags, total, threads) for f, flags, total in todo]
+            submitted = [
+                executor.submit(TrainRun(), script, str(f), flags, total, kept)
+                for (f, flags, total), kept in zip(todo, threads)
+            ]
     except submitit.core.utils.FailedJobError as e:  # sbatch's refusal: an unknown partition, more than a node has
         reason = " ".join(line.strip() for line in str(e).splitlines() if "error" in line.lower()) or str(e)
         sys.exit(f"error: --cluster slurm: sbatch refused the jobs: {reason[:300]}")
@@ -598,11 +823,14 @@ def submit_slurm(opts, script: str, todo: list, folder: pathlib.Path) -> None:
 def main(argv=None) -> None:
     """The sweep, step by step (the sections of this file, in order)."""
     opts, common = read_command(sys.argv[1:] if argv is None else argv)  # 1. the command
-    script, jobs = plan_jobs(opts, common)  # 2. every run, checked against the script
+    if opts.from_folders:  # --name NAME --status alone: the runs in the sweep's folder, as they were recorded
+        print_status(opts, recorded_jobs(opts))
+        return
+    script, module, jobs, methods_args = plan_jobs(opts, common)  # 2. every run, checked against the script
     if opts.status:  # 3. where each run stands; nothing is submitted
         print_status(opts, jobs)
         return
-    todo = print_plan(opts, script, jobs)  # 4. what each run would do
+    todo = print_plan(opts, script, jobs, module, methods_args)  # 4. what each run would do
     if opts.dry_run or not todo:
         return
     folder = pathlib.Path(opts.root) / opts.name / ".submitit"  # 5. run them; submitit's own files go here

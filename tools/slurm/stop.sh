@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stop what tools/slurm/start.sh started: slurmd, slurmctld (scontrol shutdown ends both, and every running job) and
-# munged. Its state (/var/spool/slurm*) stays: start.sh starts it again with the jobs still queued.
+# munged. Its state (/var/spool/ppg-slurm) stays: start.sh starts it again with the jobs still queued.
 set -uo pipefail
 scontrol shutdown 2>/dev/null || true
 if [ -f /run/munge/munged.pid ]; then kill "$(cat /run/munge/munged.pid)"; fi
