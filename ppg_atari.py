@@ -31,7 +31,7 @@ SCRIPT = os.path.basename(__file__)
 
 @dataclasses.dataclass
 class Args:
-    exp_name: str = SCRIPT[:-3]  # runs/{env_id}__{exp_name}__{seed}__{time}
+    exp_name: str = SCRIPT[:-3]  # names runs/{env_id}__{exp_name}__{seed}__{time}
     seed: int = 1  # seeds python, numpy, torch and the envs (env i: seed + i); in [0, 2^31)
     cuda: bool = True  # if toggled, train on a GPU where one is visible
     resume: Optional[str] = None  # go on with the run in this folder (or checkpoint)
@@ -467,7 +467,7 @@ def resume_args(args: Args, given: set):
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.pt")
         if not os.path.exists(path):
-            sys.exit(f"error: --resume {path}: no checkpoint (stopped before its first phase ended)")
+            sys.exit(f"error: --resume {args.resume}: no checkpoint (stopped before its first phase ended)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state["script"] != SCRIPT:
@@ -517,7 +517,7 @@ def free_memory(device):
 
 def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: str):
     os.makedirs(run_dir, exist_ok=True)
-    # One process a run: a lock the kernel drops when the process ends, by kill -9 too
+    # One process a run: a lock the kernel drops as the process ends (kill -9 too)
     lock = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -171,7 +171,7 @@ def test_resume_of_a_copied_run_writes_into_the_copy(name, tiny_run, tmp_path, m
     assert len(list(copy.glob("events.out.tfevents.*"))) == 2
     (resumed,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resumed from")]
     # what a resume keeps, in one line: Procgen all; ale-py cannot save its emulators
-    how = "exact: every env" if name == "ppg_procgen.py" else "not exact: ale-py cannot save its emulators"
+    how = "exact: every env" if name == "ppg_procgen.py" else "not exact: each env starts a new game"
     assert resumed.startswith(f"resumed from {copy}/checkpoint.pt after phase 2, step 192; {how}")
 
 
@@ -187,7 +187,7 @@ def test_bad_checkpoints_and_conflicting_flags_get_one_line(tiny_run, tmp_path, 
         (["--resume", str(truncated)], "not a readable checkpoint of ppg_procgen.py"),
         (["--resume", str(tmp_path / "missing.pt")], "not a readable checkpoint of ppg_procgen.py (FileNotFoundError"),
         (["--resume", str(tmp_path / "weights.pt")], "not a readable checkpoint of ppg_procgen.py (KeyError"),
-        (["--resume", str(tmp_path / "later.pt")], "with flags this one lacks: ['num_eval_envs']"),
+        (["--resume", str(tmp_path / "later.pt")], "with flags this version lacks: ['num_eval_envs']"),
         (["--resume", str(run), "--num-envs", "8"], "--num-envs 8: a resumed run keeps its flags (2)"),
         (["--resume", str(run), "--arch", "detach"], "--arch detach: a resumed run keeps its flags (dual)"),
         (["--resume", str(run), "--total-timesteps", "100"], "--total-timesteps may only be raised on --resume"),

@@ -32,7 +32,8 @@ def check_tiny_run(stdout: str, scalars: dict, precision: str) -> None:
     first minibatch whose ratio is 1 and a first aux epoch whose clone KL is 0 (the console's, to 5 decimals)."""
     assert "rollouts: 3 of" in stdout and "aux phases: 1\n" in stdout
     # a line a rollout with its ETA, a line an aux epoch, and where the checkpoint is and how to evaluate it
-    assert len([line for line in stdout.splitlines() if " iter " in line and " ETA " in line]) == 3
+    progress = [line for line in stdout.splitlines() if " iter " in line and " ETA " in line]
+    assert len(progress) == 3 and progress[-1].split(" ETA ")[1].startswith("0s ")  # under a minute: in seconds
     assert len([line for line in stdout.splitlines() if line.startswith("aux epoch ")]) in (1, 2)
     assert "/checkpoint.pt; evaluate it: python tools/evaluate.py runs/" in stdout
     assert f"precision {precision}\n" in stdout

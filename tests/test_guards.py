@@ -53,13 +53,13 @@ def test_resume_of_a_run_without_a_checkpoint_says_to_start_again(name, tmp_path
     folder.mkdir()
     (folder / "events.out.tfevents.1.vm.1.0").write_bytes(b"")  # a run stopped in its first phase leaves only this
     message = refusal(load_script(name), ["--resume", str(folder)], tmp_path, monkeypatch)
-    assert message == f"error: --resume {folder}: no checkpoint (it stopped before its first phase ended): start again"
+    assert message == f"error: --resume {folder}: no checkpoint (stopped before its first phase ended)"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_lkl_flags_are_checked(name, tmp_path, monkeypatch):
     script = load_script(name)
-    assert "--kl-penalty > 0" in refusal(script, ["--clip-coef", "0"], tmp_path, monkeypatch)
+    assert "--kl-penalty 1" in refusal(script, ["--clip-coef", "0"], tmp_path, monkeypatch)
     assert (
         refusal(script, ["--kl-penalty", "-1"], tmp_path, monkeypatch)
         == "error: --kl-penalty must be a finite number >= 0 (got -1.0)"
@@ -73,14 +73,10 @@ def test_lkl_flags_are_checked(name, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_flags_as_text_and_the_aux_phase_on_env_steps(name, tiny_run):
+def test_the_aux_phase_on_env_steps(name, tiny_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tiny_run(name)
-    acc = EventAccumulator(str(run.run_dir), size_guidance={"tensors": 0})
-    acc.Reload()
-    (text,) = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("hyperparameters/text_summary")]
-    assert "|num_envs|2|" in text and "|e_aux|2|" in text and "|aux_kl_stop|0.0|" in text
     # the one aux phase (after rollout 2 of 2 envs x 32 steps): its last epoch's statistics at env step 128
     for tag in ("aux_phase/aux_value_loss", "aux_phase/clone_kl", "aux_phase/value_loss"):
         assert len(run.scalars[tag]) == 1, tag
@@ -107,7 +103,7 @@ def test_the_memory_check_counts_activations_and_fits_a_gpus_chunk():
     assert script.memory_plan(args, rows, 80e9, on_gpu=False)[:1] == (256,)  # a CPU: 256, the fastest measured
     # one network's update (`shared`) halves a state's activations: 40 GB then fits 8,192 states whole
     assert script.memory_plan(script.Args(**{**vars(args), "arch": "shared"}), rows, 40e9, on_gpu=True)[:1] == (0,)
-    with pytest.raises(SystemExit, match=r"^error: B 24\.2 GiB.*over the 23\.3 GiB free: lower --n-pi"):
+    with pytest.raises(SystemExit, match=r"^error: B 24\.2 GiB.*over 23\.3 GiB free: lower --n-pi"):
         script.memory_plan(args, rows, 25e9, on_gpu=True)
     # a chunk the user chose is checked, not replaced
     with pytest.raises(SystemExit, match="chunks of 8192 states"):

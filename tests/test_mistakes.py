@@ -329,4 +329,4 @@ def test_the_memory_check_counts_what_main_allocates(script, tmp_path, monkeypat
     message = refusal(script, flags, tmp_path, monkeypatch)
     chunk = f"chunks of 256 states {256 * 2 * script.ACTIVATION_BYTES / 2**30:.1f} GiB"  # a CPU's chunk, two trunks
     fix = "lower --n-pi, --num-envs or --micro-batch-size"
-    assert message == f"error: B {32 * steps * per_step / 2**30:.1f} GiB, {chunk}: over the 0.5 GiB free: {fix}"
+    assert message == f"error: B {32 * steps * per_step / 2**30:.1f} GiB, {chunk}: over 0.5 GiB free: {fix}"

@@ -26,7 +26,7 @@ FLAGS += ["--num-minibatches", "2", "--aux-mb-trajectories", "1", "--e-aux", "2"
 FLAGS += ["--seed", "1"]
 # one thread in every process: the unbroken and the resumed runs add up their sums in the same order
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-NOT_COMPARED = {"run_name", "events", "wandb_id"}  # the run's name and its event files' names: each run's own
+NOT_COMPARED = {"run_name", "wandb_id"}  # each run's own
 
 
 def start(cwd, *flags) -> subprocess.Popen:

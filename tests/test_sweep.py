@@ -4,6 +4,7 @@ sbatch replaced by a recording stand-in, on SLURM. Each run's folder decides wha
 import contextlib
 import functools
 import importlib.util
+import fcntl
 import json
 import os
 import pathlib
@@ -541,6 +542,24 @@ def test_gpu_slots_with_a_faked_gpu_count(tmp_path, capsys, monkeypatch):
     script.write_text("import os; print('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS'))\n")
     assert tool.TrainRun()(str(script), str(tmp_path / "run"), [], 1, 8) == "run: trained to step 1"
     assert "OMP_NUM_THREADS 8" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_run_trained_by_a_live_process_is_not_started_again(tmp_path):
+    """A sweep started twice, or a requeue while the previous process lives: the job finds the run's lock held (here
+    by this test, as process 4242), leaves the folder as it is and starts nothing; the first trains on alone."""
+    tool = load_sweep()
+    run = tmp_path / "run" / "runs" / "dodgeball__ppg__1__1000"
+    run.mkdir(parents=True)
+    (run / "events.out.tfevents.1").write_bytes(b"the first process's log")
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit('a second process started')\n")
+    with open(run / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        message = tool.TrainRun()(str(script), str(tmp_path / "run"), [], 1, 1)
+    assert message == "run: being trained by process 4242; not started again"
+    assert sorted(p.name for p in run.iterdir()) == ["events.out.tfevents.1", "lock"]
 
 
 def test_checkpoint_stops_the_training_process_and_resubmits_the_same_call(tmp_path):

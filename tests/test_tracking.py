@@ -1,6 +1,7 @@
 """--track: the run logged to Weights & Biases, offline (WANDB_MODE=offline, no network, no key), read back from
 the run file W&B writes. W&B patches TensorBoard for the whole process, so the runs are subprocesses."""
 
+import fcntl
 import glob
 import json
 import os
@@ -12,7 +13,7 @@ import types
 import pytest
 import torch
 
-from conftest import PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, load_script, main_in_process, refusal
+from conftest import PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, load_script, main_in_process
 
 SCRIPT = "ppg_atari.py"  # the other script's three flags and their code are the same lines (test_tracking_flags)
 
@@ -104,6 +105,16 @@ def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_sa
     assert state["global_step"] == 320 and not state["args"]["track"] and state["wandb_id"] == logged["run"].run_id
 
 
+def stop(script, flags, cwd, monkeypatch) -> str:
+    """What --track stops with, in one line, leaving no run folder (the empty runs/ may stay)."""
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(script, flags, cwd, monkeypatch)
+    assert not list(cwd.glob("runs/*")), list(cwd.glob("runs/*"))
+    message = str(stopped.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_tracking_flags_and_track_without_wandb_stops_in_one_line(name, tmp_path, monkeypatch):
     """Without wandb installed, or when W&B refuses to start (no login), --track stops in one line that names the fix
@@ -112,26 +123,27 @@ def test_tracking_flags_and_track_without_wandb_stops_in_one_line(name, tmp_path
     args = script.Args()
     assert (args.track, args.wandb_project_name, args.wandb_entity) == (False, "ppg", None)
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as where it is not installed
-    message = refusal(script, [*TINY_FLAGS[name], "--track"], tmp_path, monkeypatch)
+    message = stop(script, [*TINY_FLAGS[name], "--track"], tmp_path, monkeypatch)
     assert message.startswith("error: --track: ModuleNotFoundError") and "(pip install wandb; " in message
     monkeypatch.setitem(
         sys.modules, "wandb", types.SimpleNamespace(init=lambda **k: (_ for _ in ()).throw(ValueError("no API key")))
     )
-    message = refusal(script, [*TINY_FLAGS[name], "--track"], tmp_path, monkeypatch)
+    message = stop(script, [*TINY_FLAGS[name], "--track"], tmp_path, monkeypatch)
     # installed but not started: the error says why (no login here)
     assert message.startswith("error: --track: ValueError('no API key')") and "wandb login" in message
 
 
 def test_track_starts_wandb_only_after_the_run_folder_is_claimed(tmp_path, monkeypatch):
-    """A start refused because its run folder exists (a run with the same name began the same second) leaves no W&B
-    run behind: wandb.init comes after the folder is made. Here the clock is held, and the folder made first."""
+    """A start refused because another process holds its run folder (a run with the same name began the same second,
+    here this test) leaves no W&B run behind: wandb.init comes after the folder's lock is taken."""
     script = load_script(SCRIPT)
     monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: 1_000_000.0))
     run_dir = tmp_path / "runs" / "BreakoutNoFrameskip-v4__ppg_atari__1__1000000"
     run_dir.mkdir(parents=True)
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: calls.append(kwargs)))
-    with pytest.raises(SystemExit) as stopped:
+    with open(run_dir / "lock", "w") as held, pytest.raises(SystemExit) as stopped:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         main_in_process(script, [*TINY_FLAGS[SCRIPT], "--track"], tmp_path, monkeypatch)
-    assert str(stopped.value.code).startswith(f"error: runs/{run_dir.name} exists") and calls == []
-    assert list(run_dir.iterdir()) == []
+    assert str(stopped.value.code).startswith(f"error: runs/{run_dir.name} is being trained") and calls == []
+    assert [p.name for p in run_dir.iterdir()] == ["lock"]

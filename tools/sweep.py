@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import glob
 import importlib.util
@@ -388,6 +389,18 @@ def job_command(script: str, folder: pathlib.Path, flags: list, total: int):
     return [sys.executable, script, "--resume", str(run), *flags]
 
 
+def trained_by(folder: pathlib.Path):
+    """The pid of a live process that trains a run in this folder (the script's lock on runs/<run>/lock is held), or
+    None. Taking the lock for a moment tells: the kernel holds it for the script's process alone, until that ends."""
+    for lock in folder.glob("runs/*/lock"):
+        with open(lock) as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released as the file closes
+            except BlockingIOError:
+                return held.read().strip()
+    return None
+
+
 def read_record(folder: pathlib.Path) -> dict:
     """What the sweep recorded for the run in this folder (RECORD_FILE), or {} where nothing was."""
     path = folder / RECORD_FILE
@@ -442,6 +455,9 @@ class TrainRun(submitit.helpers.Checkpointable):
         command = job_command(script, folder, flags, total)
         if command is None:
             return f"{folder.name}: done before this start"
+        pid = trained_by(folder)
+        if pid:  # a sweep started twice, or a requeue while the previous process lives: it trains on alone
+            return f"{folder.name}: being trained by process {pid}; not started again"
         if "--resume" not in command and (folder / "runs").exists():
             shutil.rmtree(folder / "runs")  # a start without a checkpoint: nothing of it is kept
         folder.mkdir(parents=True, exist_ok=True)
