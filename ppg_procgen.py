@@ -46,7 +46,7 @@ class Args:
     start_level: int = 0  # the first training level's seed
     total_timesteps: int = 25_000_000  # env steps (rounded up to whole rollouts)
     learning_rate: float = 5e-4  # Adam's rate in both phases (constant, as released)
-    num_envs: int = 64  # parallel envs (the paper: 256, --aux-mb-trajectories 16)
+    num_envs: int = 64  # parallel envs (the paper: 256, with 16 aux minibatch trajectories)
     num_steps: int = 256  # steps of each env in a rollout
     gamma: float = 0.999  # discount of GAE and the value targets
     gae_lambda: float = 0.95  # lambda of GAE

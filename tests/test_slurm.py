@@ -265,7 +265,7 @@ def test_the_sweep_submits_one_array_that_asks_for_no_gpu(slurm_runs):
 def test_a_job_requeued_after_its_first_checkpoint_resumes_from_it(slurm_runs, how):
     run = slurm_runs.folder[SEEDS[how]]
     first, second = starts(run)
-    assert "stopped by SIGTERM; resume with:" in first and first.rstrip().endswith("exit 143"), first[-500:]
+    assert "stopped by SIGTERM; resume with:" in first and "exit 143" in first[-1000:], first[-500:]
     assert " --resume " in second.splitlines()[1] and "resumed from " in second and second.rstrip().endswith("exit 0")
     assert_ends_right(run)
 
@@ -292,7 +292,7 @@ def test_status_shows_a_queued_job_and_reports_a_failed_one(slurm_runs):
     assert len(killed) == 1 and re.match(r"failed +dodgeball__ppg__4: step \d+ of 256.*; exit -9: phase ", killed[0]), (
         killed
     )
-    assert lines[-1] == "4 runs: 3 done, 1 failed"
+    assert "4 runs: 3 done, 1 failed" in lines
 
 
 def test_the_runs_unbroken_end_right(slurm_runs):

@@ -113,7 +113,7 @@ def test_dry_run_and_bad_input_submit_nothing(tmp_path):
         (["--games", "dodgeball", "--methods", "ppx"], "error: --methods: unknown ['ppx']"),
         (
             ["--games", "dodgeball", "--", "--num-minibatches", "7"],
-            "error: dodgeball ppg: --num-minibatches 7 does not",
+            "error: dodgeball ppg: --num-minibatches must divide",
         ),
         (["--games", "dodgeball", "--", "--arch", "triple"], "error: flags after --: "),
         (
@@ -252,7 +252,7 @@ def test_each_released_experiment_is_one_command(tmp_path):
             "error: --experiment e-pi: --e-pi 5 after -- changes its runs (variant e-pi-1 sets --e-pi 1)",
         ),
         (
-            ["--experiment", "ppo", "--", "--e-auxiliary", "2"],  # CleanRL's name of --e-aux
+            ["--experiment", "ppo", "--", "--e-aux", "2"],
             "error: --experiment ppo: --e-aux 2 after -- changes its runs (variant ppo sets --e-aux 0)",
         ),
         (
@@ -333,14 +333,14 @@ def test_the_experiments_table_is_the_released_readme(monkeypatch):
 def test_a_resume_passes_the_runs_flags_and_a_changed_one_stops_the_sweep(sweep_grid):
     """A run with a checkpoint resumes with the flags it started with (the budget raised): the script keeps a resumed
     run's training flags, so one changed since its start stops the sweep in one line, before anything is submitted,
-    instead of being silently ignored, given by its name or by its CleanRL alias (--e-policy is --e-pi), or left out
+    instead of being silently ignored, given by its name (here a flag and --e-pi), or left out
     (back at its default). The same holds for a done run: a finished sweep run again with a changed flag does not
     report its old runs as done. (--dry-run on the shared grid's finished runs: nothing is written.)"""
     argv = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--total-timesteps", "256"]
     at = SWEEP_TINY.index("--n-pi")
     left_out = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY[:at], *SWEEP_TINY[at + 2 :]]  # --n-pi: 32 again
     finished = [*sweep_grid.argv, "--dry-run", "--", *SWEEP_TINY, "--ent-coef", "0.02"]  # the budget as it was: done
-    argvs = [argv, [*argv, "--ent-coef", "0.02"], [*argv, "--e-policy", "2"], left_out, finished]
+    argvs = [argv, [*argv, "--ent-coef", "0.02"], [*argv, "--e-pi", "2"], left_out, finished]
     (same, printed), (changed, _), (aliased, _), (omitted, _), (done, _) = mains_in_one_process(sweep_grid.root, argvs)
     assert same is None and "4 runs, 0 done, 4 to run" in printed, printed
     resumes = [line for line in printed.splitlines() if line.startswith("resume ")]
