@@ -462,7 +462,7 @@ def named_flags(argv):  # --no-cuda names cuda
 
 
 def resume_args(args: Args, given: set):
-    """A flag in `given` (the command line's) must keep the run's value."""
+    """The run's flags: those in `given` keep their values, but may_change."""
     path = args.resume
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.pt")

@@ -1,7 +1,6 @@
-"""What stops a user's run from going wrong quietly: a run never writes into another run's folder; --resume of a finished
-run, or of a run stopped before its first checkpoint, says so and writes nothing; CleanRL's flags that have no namesake
-here name their counterpart; L_KL's flags are refused in one line where they make no sense; a run's flags and its aux
-phases reach TensorBoard on the env-step axis; and the memory check counts the update's activations beside B, choosing a
+"""What stops a user's run from going wrong quietly: one live process a run (a second is refused in one line); --resume
+of a finished run, or of a run stopped before its first checkpoint, says so and writes nothing; L_KL's flags are
+refused in one line where they make no sense; a run's aux phases reach TensorBoard on the env-step axis; and the memory check counts the update's activations beside B, choosing a
 GPU's chunk size from the free memory."""
 
 import fcntl
