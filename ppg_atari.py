@@ -1,5 +1,10 @@
-"""Phasic Policy Gradient (Cobbe et al. 2020, arXiv 2009.04416) on Atari: flags, env, networks, losses, the
-buffer B (`buffer_fields`), the phases, the run around them (`setup`), and Algorithm 1 (`main`)."""
+"""Phasic Policy Gradient (Cobbe, Hilton, Klimov and Schulman 2020, arXiv 2009.04416) on Atari, in one file.
+
+Read it from the top: the flags, the envs, the two networks, the losses, the buffer B, the rollout, the targets, the
+two phases, and main(), which follows the paper's Algorithm 1. Below the banner that comes after main() is the run's
+plumbing (flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals, progress
+lines); a change to the algorithm seldom needs to touch it.
+"""
 
 import dataclasses
 import fcntl
@@ -22,112 +27,77 @@ import torch.nn.functional as F
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 
-OBS_SHAPE = (84, 84, 4)  # HWC uint8: 84x84 gray, the last 4 frames as channels
-NUM_ACTIONS = 18  # the full action set, for the memory check
-# A state's activations in a network's update, fp32: 0.29 MB (docs/runs.md) + 25%
+OBS_SHAPE = (84, 84, 4)  # height, width, channels: 84x84 gray frames, the last 4 stacked as channels
+NUM_ACTIONS = 18  # the full Atari action set, for the memory check
+# The activations of one state in one network's update at fp32: 0.29 MB (measured: docs/runs.md), plus 25%
 ACTIVATION_BYTES = 360_000
 SCRIPT = os.path.basename(__file__)
 
 
+# Flags -------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Args:
-    exp_name: str = SCRIPT[:-3]  # names runs/{env_id}__{exp_name}__{seed}__{time}
-    seed: int = 1  # seeds python, numpy, torch and the envs (env i: seed + i); in [0, 2^31)
-    cuda: bool = True  # if toggled, train on a GPU where one is visible
-    resume: Optional[str] = None  # go on with the run in this folder (or checkpoint)
-    track: bool = False  # if toggled, mirror the log to W&B
-    wandb_project_name: str = "ppg"  # the W&B project of --track
-    wandb_entity: Optional[str] = None  # the W&B user or team
-    env_id: str = "BreakoutNoFrameskip-v4"  # or ALE/Breakout-v5 (sticky actions)
-    repeat_action_probability: Optional[float] = None  # sticky actions (None: v4 0, v5 0.25)
+    exp_name: str = SCRIPT[:-3]  # the experiment's name; a run's folder is runs/{env_id}__{exp_name}__{seed}__{time}
+    seed: int = 1  # seeds python, numpy, torch and the envs (env i takes seed + i); in [0, 2^31)
+    cuda: bool = True  # if toggled, train on a GPU when one is visible
+    resume: Optional[str] = None  # continue the run saved in this folder (or in this checkpoint file)
+    track: bool = False  # if toggled, mirror the TensorBoard log to Weights & Biases
+    wandb_project_name: str = "ppg"  # the W&B project that --track logs to
+    wandb_entity: Optional[str] = None  # the W&B user or team that --track logs to
+    env_id: str = "BreakoutNoFrameskip-v4"  # the game: a v4 id (no sticky actions) or a v5 id as ALE/Breakout-v5
+    repeat_action_probability: Optional[float] = None  # sticky actions (unset: 0 for v4 ids, 0.25 for v5 ids)
     episodic_life: bool = True  # if toggled, a lost life ends a training episode
-    clip_rewards: bool = True  # if toggled, train on sign(reward)
-    max_episode_frames: int = 108_000  # a game's most frames (30 minutes)
-    total_timesteps: int = 10_000_000  # env steps (rounded up to whole rollouts)
-    learning_rate: float = 2.5e-4  # Adam's rate in both phases (constant)
+    clip_rewards: bool = True  # if toggled, train on the sign of each reward
+    max_episode_frames: int = 108_000  # the most frames of a game (30 minutes)
+    total_timesteps: int = 10_000_000  # env steps to train for (rounded up to whole rollouts)
+    learning_rate: float = 2.5e-4  # Adam's learning rate in both phases (constant)
     num_envs: int = 8  # parallel envs
-    num_steps: int = 128  # steps of each env in a rollout
-    gamma: float = 0.99  # discount of GAE and the value targets
-    gae_lambda: float = 0.95  # lambda of GAE
-    norm_reward: bool = False  # if toggled, divide rewards by their return's std
-    reward_norm_gamma: float = 0.99  # the discount of that return (as released)
-    num_minibatches: int = 4  # PPO minibatches an epoch
-    clip_coef: float = 0.1  # epsilon of PPO's L_clip (0: no clipping)
-    kl_penalty: float = 0.0  # L_KL's weight (L_KL: --clip-coef 0 --kl-penalty 1)
-    ent_coef: float = 0.01  # entropy bonus coefficient
-    max_grad_norm: float = 0.0  # clip each network's gradient norm (0: off)
-    # dual: 2 networks; detach: V on the policy trunk's detached features; shared: PPO
+    num_steps: int = 128  # steps of each env per rollout
+    gamma: float = 0.99  # the discount of GAE and of the value targets
+    gae_lambda: float = 0.95  # the lambda of GAE
+    norm_reward: bool = False  # if toggled, divide the rewards by the running std of their discounted return
+    reward_norm_gamma: float = 0.99  # the discount of that return (as in the released code)
+    num_minibatches: int = 4  # PPO minibatches per epoch
+    clip_coef: float = 0.1  # the epsilon of PPO's clipped objective L_clip (0: no clipping)
+    kl_penalty: float = 0.0  # the weight of the KL penalty (the paper's L_KL objective: --clip-coef 0 --kl-penalty 1)
+    ent_coef: float = 0.01  # the weight of the entropy bonus
+    max_grad_norm: float = 0.0  # clip the gradient norm of each network apart to this (0: no clipping)
+    # dual: a policy network and a value network; detach: one network, whose value head reads detached features;
+    # shared: one network trained by the sum of the losses (PPO)
     arch: Literal["dual", "detach", "shared"] = "dual"
-    n_pi: int = 32  # N_pi: rollouts a phase
-    e_pi: int = 1  # E_pi: policy epochs
-    e_v: int = 1  # E_V: value epochs a rollout
-    e_aux: int = 6  # E_aux (0: no aux)
-    beta_clone: float = 1.0  # beta_clone: weight of KL(pi_old || pi) in the aux loss
-    aux_mb_trajectories: int = 4  # trajectories (rows of B) in an aux minibatch
-    aux_kl_stop: float = 0.0  # stop the aux phase once an epoch's KL(pi_old || pi) > this
-    micro_batch_size: Optional[int] = None  # states a backward chunk (0: all; None: auto)
-    precision: Literal["fp32", "tf32", "bf16"] = "fp32"  # tf32: a GPU's; bf16: the trunks'
+    n_pi: int = 32  # N_pi: rollouts per policy phase
+    e_pi: int = 1  # E_pi: policy epochs per rollout
+    e_v: int = 1  # E_V: value epochs per rollout
+    e_aux: int = 6  # E_aux: epochs per auxiliary phase (0: no auxiliary phase)
+    beta_clone: float = 1.0  # beta_clone: the weight of KL(pi_old || pi) in the auxiliary loss
+    aux_mb_trajectories: int = 4  # trajectories (rows of B) per auxiliary minibatch
+    # end an auxiliary phase early once an epoch's mean KL(pi_old || pi) exceeds this (0: never)
+    aux_kl_stop: float = 0.0
+    micro_batch_size: Optional[int] = None  # states per backward pass (0: whole minibatches; unset: chosen from memory)
+    # fp32; tf32: TensorFloat-32 matrix products (GPUs only); bf16: the trunks in bfloat16, the heads and losses in fp32
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
 
+# Envs --------------------------------------------------------------------------------------------
 def ale_protocol(env_id: str):
-    """(v5 id, sticky actions, most no-op starts, FIRE on reset): DQN's for v4 ids, Machado's for v5."""
+    """The v5 id, sticky actions, most no-op starts and FIRE on reset: DQN's protocol for v4 ids, Machado et al.'s
+    for v5 ids."""
     if env_id.endswith("NoFrameskip-v4"):
         return f"ALE/{env_id[: -len('NoFrameskip-v4')]}-v5", 0.0, 30, True
     return env_id, 0.25, 0, False
 
 
-def make_plan(args: Args, start_step: int = 0, start_phase: int = 0):
-    positive = ["num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v"]
-    positive += ["total_timesteps", "aux_mb_trajectories", "learning_rate", "max_episode_frames"]
-    for name, value in vars(args).items():
-        if type(value) not in (int, float):
-            continue
-        rule, ok = ">= 0", 0 <= value < math.inf  # nan fails
-        if name in positive:
-            rule, ok = "> 0", 0 < value < math.inf
-        if name in ["gamma", "gae_lambda", "reward_norm_gamma"]:
-            rule, ok = "in [0, 1]", 0 <= value <= 1
-        if name == "repeat_action_probability":
-            rule, ok = "in [0, 1)", 0 <= value < 1
-        if name == "seed":
-            rule, ok = "in [0, 2^31)", 0 <= value < 2**31
-        if not ok:
-            sys.exit(f"error: --{name.replace('_', '-')} must be a finite number {rule} (got {value})")
-    gym.register_envs(ale_py)
-    ale_id = ale_protocol(args.env_id)[0]
-    if ale_id not in gym.registry or not ale_id.endswith("-v5"):  # only v5 ids have ale-py's vector env
-        sys.exit(f"error: --env-id {args.env_id}: not an ale-py game id, as BreakoutNoFrameskip-v4 or ALE/Breakout-v5")
-    if args.clip_coef == 0 and args.kl_penalty == 0:
-        sys.exit("error: --clip-coef 0 leaves the policy step unbounded: add --kl-penalty 1")
-    batch_size = args.num_envs * args.num_steps
-    if batch_size % args.num_minibatches:
-        sys.exit(f"error: --num-minibatches must divide a rollout's {batch_size} states")
-    num_iterations = math.ceil(args.total_timesteps / batch_size)
-    phases_left = math.ceil((num_iterations - start_step // batch_size) / args.n_pi)
-    aux_phases = 0  # none after the last rollout
-    if args.e_aux > 0 and phases_left > 0:
-        aux_phases = phases_left - 1
-    trajectories = args.num_envs
-    if aux_phases:
-        trajectories = args.n_pi * args.num_envs
-    if aux_phases and trajectories % args.aux_mb_trajectories:
-        sys.exit(f"error: --aux-mb-trajectories must divide B's {trajectories} trajectories")
-    plan = dict(num_iterations=num_iterations, num_phases=start_phase + phases_left)
-    return dict(plan, aux_phases=aux_phases, trajectories=trajectories)
-
-
 class AtariVecEnv:
-    """ale-py's frames (skip 4, max-pool, 84x84 gray, 4 stacked) as uint8 HWC."""
+    """ale-py's frames (4 frames skipped per step, max-pooled, 84x84 gray, 4 stacked) as uint8, channels last."""
 
     RESUME = "not exact: each env starts a new game"
-    NEW_GAMES = True  # on resume
 
     def __init__(self, args: Args, num_envs: int, seed: int):
         ale_id, sticky, noop_max, fire_reset = ale_protocol(args.env_id)
         if args.repeat_action_probability is not None:
             sticky = args.repeat_action_probability
         frames = dict(frameskip=4, maxpool=True, img_height=84, img_width=84, grayscale=True, stack_num=4)
-        # Its life loss and clipping off (its episodic_life resets the game): step() does them
+        # ale-py's own life loss and reward clipping are off (its life loss resets the game): step() does both
         protocol = dict(repeat_action_probability=sticky, noop_max=noop_max, use_fire_reset=fire_reset)
         protocol.update(max_num_frames_per_episode=args.max_episode_frames, episodic_life=False, reward_clipping=False)
         self.env = gym.make_vec(ale_id, num_envs, "vector_entry_point", autoreset_mode="SameStep", **frames, **protocol)
@@ -135,22 +105,24 @@ class AtariVecEnv:
         self.num_actions = self.env.single_action_space.n
         self.returns = np.zeros(num_envs, dtype=np.float64)
         self.lengths = np.zeros(num_envs, dtype=np.int64)
+        # The envs whose game started afresh when the run was resumed: all of them, as ale-py cannot save a game
+        self.new_games = np.ones(num_envs, dtype=bool)
 
     def reset(self):
-        obs, info = self.env.reset(seed=self.seed)  # env i gets seed + i
+        obs, info = self.env.reset(seed=self.seed)  # env i takes seed + i
         self.lives = info["lives"].copy()
-        return np.ascontiguousarray(obs.transpose(0, 2, 3, 1))  # (N, stack, H, W) -> NHWC
+        return np.ascontiguousarray(obs.transpose(0, 2, 3, 1))  # (envs, stack, H, W) -> (envs, H, W, stack)
 
     def state_dict(self):
         return {}
 
     def load_state_dict(self, state):
-        pass
+        pass  # nothing to restore: every env starts a new game
 
     def step(self, actions):
         obs, rewards, terminated, truncated, info = self.env.step(actions.astype(np.int64))
         game_over = terminated | truncated
-        life_lost = (info["lives"] < self.lives) & ~game_over  # at game over, lives are the new game's
+        life_lost = (info["lives"] < self.lives) & ~game_over  # at a game's end, lives are the new game's
         self.lives = info["lives"].copy()
         self.returns += rewards
         self.lengths += 1
@@ -162,15 +134,16 @@ class AtariVecEnv:
         return np.ascontiguousarray(obs.transpose(0, 2, 3, 1)), train_rewards.astype(np.float32), train_dones, finished
 
 
+# Networks ----------------------------------------------------------------------------------------
 def orthogonal_init_(layer, gain: float):
-    """The PPO Atari recipe's init."""
+    """The initialisation of the PPO Atari recipe: orthogonal weights of this gain, and a zero bias."""
     nn.init.orthogonal_(layer.weight, gain)
     nn.init.zeros_(layer.bias)
     return layer
 
 
 class NatureEncoder(nn.Module):
-    """The Nature DQN CNN: uint8 frame stacks -> 512 features."""
+    """The Nature DQN network: uint8 frame stacks in, 512 features out."""
 
     def __init__(self, obs_shape, out_features=512):
         super().__init__()
@@ -185,16 +158,16 @@ class NatureEncoder(nn.Module):
         self.out_features = out_features
 
     def forward(self, obs_uint8):
-        # The one place frames become floats; permute keeps NHWC memory order (faster on a CPU)
+        # The one place where frames become floats. The permute keeps the memory in NHWC order, faster on a CPU.
         x = self.convs(obs_uint8.permute(0, 3, 1, 2).float().div_(255.0))
         return F.relu(self.dense(x.flatten(1)))
 
 
-class AgentOutput(NamedTuple):  # read by name, never by position
-    logits: torch.Tensor
-    value: torch.Tensor
-    aux_value: torch.Tensor
-    heads: Dict[str, torch.Tensor] = {}  # extra_heads' outputs
+class AgentOutput(NamedTuple):  # read its fields by name, never by position
+    logits: torch.Tensor  # the policy's logits (policy network)
+    value: torch.Tensor  # V, the value head (value network)
+    aux_value: torch.Tensor  # the auxiliary value head (policy network)
+    heads: Dict[str, torch.Tensor] = {}  # the outputs of extra_heads, by name
 
 
 class PPGAgent(nn.Module):
@@ -207,48 +180,147 @@ class PPGAgent(nn.Module):
         self.aux_value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
         self.v_trunk = NatureEncoder(obs_shape) if self.arch == "dual" else None
         self.value_head = orthogonal_init_(nn.Linear(width, 1), 1.0)
-        # A new head: extra_heads["x"] = a layer (under its flag: its init shifts later draws)
+        # A new head on the policy trunk goes in extra_heads (docs/hacking.md). Build it only when its flag is on:
+        # building a layer draws its initial weights from torch's random stream, which changes every later draw.
         self.extra_heads = nn.ModuleDict()
 
-    def forward(self, obs, terms=("policy", "value")) -> AgentOutput:
-        """With dual, a term alone runs its network alone (the other's outputs: None)."""
+    def forward(self, obs, policy: bool = True, value: bool = True) -> AgentOutput:
+        """Runs the policy network if `policy` and the value network if `value`; the outputs of a network that did
+        not run are None. With --arch dual the two are apart; otherwise V reads the policy trunk's features."""
         h, v = None, None
-        # bf16: the trunks under autocast; heads and losses in fp32
+        # With bf16, the trunks run under autocast, and the heads and losses stay in fp32
         with torch.autocast(obs.device.type, torch.bfloat16, enabled=self.bf16):
-            if "policy" in terms or self.arch != "dual":
+            if policy or self.arch != "dual":
                 h = self.pi_trunk(obs).float()
-            if "value" in terms and self.arch == "dual":
+            if value and self.arch == "dual":
                 v = self.v_trunk(obs).float()
         if self.arch == "detach":
             v = h.detach()
         if self.arch == "shared":
             v = h
-        logits, value, aux_value, heads = None, None, None, {}
+        logits, value_out, aux_value, heads = None, None, None, {}
         if h is not None:
             logits = self.pi_head(h)
             aux_value = self.aux_value_head(h).squeeze(-1)
             heads = {name: head(h) for name, head in self.extra_heads.items()}
         if v is not None:
-            value = self.value_head(v).squeeze(-1)
-        return AgentOutput(logits, value, aux_value, heads)
+            value_out = self.value_head(v).squeeze(-1)
+        return AgentOutput(logits, value_out, aux_value, heads)
 
     def value_parameters(self):  # theta_V
         trunk = list(self.v_trunk.parameters()) if self.v_trunk else []
         return trunk + list(self.value_head.parameters())
 
-    def policy_parameters(self):  # theta_pi
+    def policy_parameters(self):  # theta_pi: every parameter outside the value network
         value = {id(p) for p in self.value_parameters()}
         return [p for p in self.parameters() if id(p) not in value]
 
 
+# Losses ------------------------------------------------------------------------------------------
+# gradient_step hands a loss one chunk of a minibatch at a time (--micro-batch-size), so a statistic taken inside a
+# loss (a std, say) is the chunk's, not the minibatch's: docs/hacking.md says where to compute one instead.
+def kl_divergence(p_logits, q_logits):
+    p_logp = F.log_softmax(p_logits, dim=-1)
+    return (p_logp.exp() * (p_logp - F.log_softmax(q_logits, dim=-1))).sum(-1).mean()
+
+
+def policy_phase_loss(out: AgentOutput, mb: Dict, args: Args, policy: bool = True, value: bool = True):
+    """L_clip (or L_KL) with the entropy bonus if `policy`, plus L_value if `value`."""
+    loss, stats = 0.0, {}
+    if policy:
+        logprobs = F.log_softmax(out.logits, dim=-1)
+        logratio = logprobs.gather(-1, mb["actions"].unsqueeze(-1)).squeeze(-1) - mb["logprobs"]
+        ratio, adv = logratio.exp(), mb["advantages"]
+        pg_loss = -adv * ratio
+        if args.clip_coef > 0:  # L_clip
+            clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss, -adv * clipped)
+        pg_loss = pg_loss.mean()
+        # The penalty of the L_KL objective, written as the released code writes it: half the squared log-ratio
+        kl_penalty = args.kl_penalty * 0.5 * logratio.pow(2).mean()
+        entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
+        loss = loss + pg_loss + kl_penalty - args.ent_coef * entropy
+        stats.update(policy_loss=pg_loss, kl_penalty=kl_penalty, entropy=entropy)
+        with torch.no_grad():
+            stats["approx_kl"] = ((ratio - 1) - logratio).mean()
+            stats["clipfrac"] = ((ratio - 1).abs() > args.clip_coef).float().mean()
+    if value:  # unclipped, as in the paper
+        stats["value_loss"] = 0.5 * (out.value - mb["returns"]).pow(2).mean()
+        loss = loss + stats["value_loss"]
+    return loss, stats
+
+
+def aux_phase_loss(out: AgentOutput, mb: Dict, args: Args, policy: bool = True, value: bool = True):
+    """L_joint (trains the policy network) if `policy`, plus L_value (trains the value network) if `value`."""
+    loss, stats = 0.0, {}
+    if policy:
+        l_aux = 0.5 * (out.aux_value - mb["returns"]).pow(2).mean()
+        l_clone = kl_divergence(mb["pi_old_logits"], out.logits)  # KL(pi_old || pi)
+        joint = l_aux + args.beta_clone * l_clone
+        loss = loss + joint
+        stats.update(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint)
+    if value:
+        stats["value_loss"] = 0.5 * (out.value - mb["returns"]).pow(2).mean()
+        loss = loss + stats["value_loss"]
+    return loss, stats
+
+
+# B, the buffer of the last N_pi rollouts ---------------------------------------------------------
+def buffer_fields(num_actions: int):
+    """The arrays B holds per step: name -> (shape, dtype). A new target takes an entry here, a line that fills it
+    (in collect_rollout or compute_targets) and a loss that reads it."""
+    return dict(
+        obs=(OBS_SHAPE, torch.uint8),  # frames stay uint8 until the network
+        actions=((), torch.long),
+        logprobs=((), torch.float32),
+        values=((), torch.float32),
+        raw_rewards=((), torch.float32),
+        rewards=((), torch.float32),  # the rewards trained on (normalised with --norm-reward)
+        ended=((), torch.bool),
+        advantages=((), torch.float32),
+        returns=((), torch.float32),  # V_hat, the value targets
+        pi_old_logits=((num_actions,), torch.float32),
+    )
+
+
+# The rollout -------------------------------------------------------------------------------------
+@torch.no_grad()
+def collect_rollout(agent: PPGAgent, envs, next_obs, ro: Dict, step: int):
+    """Plays num_steps steps of every env into the rollout's rows `ro` of B. Returns the next observations, their V
+    (to bootstrap the targets) and the episodes that ended, each as (env step, return, length)."""
+    episodes = []
+    rewards = np.zeros(ro["raw_rewards"].shape, np.float32)
+    ended = np.zeros(ro["ended"].shape, bool)
+    for t in range(ro["obs"].shape[1]):
+        ro["obs"][:, t] = next_obs
+        out = agent(next_obs)
+        # validate_args=False: checking the logits would make the host wait for the device
+        pi = torch.distributions.Categorical(logits=out.logits, validate_args=False)
+        action = pi.sample()
+        ro["actions"][:, t] = action
+        ro["logprobs"][:, t] = pi.log_prob(action)
+        ro["values"][:, t] = out.value
+        # The actions' copy to the host is the one wait for the device per step: the envs need the actions
+        obs, rewards[:, t], ended[:, t], finished = envs.step(action.cpu().numpy())
+        next_obs = torch.from_numpy(obs).to(next_obs.device)
+        step += envs.num_envs
+        for _, ep_return, length in finished:
+            episodes.append((step, ep_return, length))
+    ro["raw_rewards"].copy_(torch.from_numpy(rewards))
+    ro["ended"].copy_(torch.from_numpy(ended))
+    return next_obs, agent(next_obs).value, episodes
+
+
+# The targets -------------------------------------------------------------------------------------
 def moments(x: torch.Tensor):
+    """Count, mean and variance of x, in float64, with one wait for the device."""
     x = x.double()
     n, total, squares = torch.stack([x.new_tensor(x.numel()), x.sum(), x.square().sum()]).tolist()
     return n, total / n, max(squares / n - (total / n) ** 2, 0.0)
 
 
 class RewardNormalizer:
-    """Rewards over the running std of their discounted return, clipped, as released."""
+    """As released: divides rewards by the running std of their discounted return, and clips them to [-10, 10]."""
 
     def __init__(self, num_envs: int, gamma: float):
         self.gamma = gamma
@@ -261,7 +333,7 @@ class RewardNormalizer:
             self.ret = self.ret * self.gamma + rewards[:, t]
             rets[:, t] = self.ret
             self.ret[dones[:, t]] = 0.0  # the episode ended with this reward
-        # Chan et al.'s merge of the rollout's moments into the running ones
+        # Merge the rollout's moments into the running ones (Chan et al.'s parallel algorithm)
         n, mean, var = moments(torch.from_numpy(rets))
         delta, total = mean - self.mean, self.count + n
         self.mean += delta * n / total
@@ -289,87 +361,8 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
     return advantages, advantages + values
 
 
-def kl_divergence(p_logits, q_logits):
-    p_logp = F.log_softmax(p_logits, dim=-1)
-    return (p_logp.exp() * (p_logp - F.log_softmax(q_logits, dim=-1))).sum(-1).mean()
-
-
-# A loss sees a chunk of a minibatch (gradient_step): a statistic over it (a std, say) is the chunk's
-def policy_phase_loss(out: AgentOutput, mb: Dict, args: Args, terms=("policy", "value")):
-    loss, stats = 0.0, {}
-    if "policy" in terms:
-        logprobs = F.log_softmax(out.logits, dim=-1)
-        logratio = logprobs.gather(-1, mb["actions"].unsqueeze(-1)).squeeze(-1) - mb["logprobs"]
-        ratio, adv = logratio.exp(), mb["advantages"]
-        pg_loss = -adv * ratio
-        if args.clip_coef > 0:  # L_clip
-            clipped = ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)
-            pg_loss = torch.max(pg_loss, -adv * clipped)
-        pg_loss = pg_loss.mean()
-        kl_penalty = args.kl_penalty * 0.5 * logratio.pow(2).mean()  # L_KL's, as released
-        entropy = -(logprobs.exp() * logprobs).sum(-1).mean()
-        loss = loss + pg_loss + kl_penalty - args.ent_coef * entropy
-        stats.update(policy_loss=pg_loss, kl_penalty=kl_penalty, entropy=entropy)
-        with torch.no_grad():
-            stats["approx_kl"] = ((ratio - 1) - logratio).mean()
-            stats["clipfrac"] = ((ratio - 1).abs() > args.clip_coef).float().mean()
-    if "value" in terms:  # unclipped, as in the paper
-        stats["value_loss"] = 0.5 * (out.value - mb["returns"]).pow(2).mean()
-        loss = loss + stats["value_loss"]
-    return loss, stats
-
-
-def aux_phase_loss(out: AgentOutput, mb: Dict, args: Args):
-    """L_joint (the policy network's) + L_value (the value network's)."""
-    l_aux = 0.5 * (out.aux_value - mb["returns"]).pow(2).mean()
-    l_clone = kl_divergence(mb["pi_old_logits"], out.logits)  # KL(pi_old || pi)
-    joint = l_aux + args.beta_clone * l_clone
-    l_value = 0.5 * (out.value - mb["returns"]).pow(2).mean()
-    stats = dict(aux_value_loss=l_aux, clone_kl=l_clone, joint_loss=joint, value_loss=l_value)
-    return joint + l_value, stats
-
-
-def buffer_fields(num_actions: int):
-    """B's per-step arrays: name -> (shape, dtype). A new target: an entry, a line filling it, a loss."""
-    return dict(
-        obs=(OBS_SHAPE, torch.uint8),  # uint8 until the network
-        actions=((), torch.long),
-        logprobs=((), torch.float32),
-        values=((), torch.float32),
-        raw_rewards=((), torch.float32),
-        rewards=((), torch.float32),  # as trained on
-        ended=((), torch.bool),
-        advantages=((), torch.float32),
-        returns=((), torch.float32),  # V_hat
-        pi_old_logits=((num_actions,), torch.float32),
-    )
-
-
-@torch.no_grad()
-def collect_rollout(agent: PPGAgent, envs, next_obs, ro: Dict, step: int):
-    episodes = []
-    rewards = np.zeros(ro["raw_rewards"].shape, np.float32)
-    ended = np.zeros(ro["ended"].shape, bool)
-    for t in range(ro["obs"].shape[1]):
-        ro["obs"][:, t] = next_obs
-        out = agent(next_obs)
-        pi = torch.distributions.Categorical(logits=out.logits, validate_args=False)  # no host sync
-        action = pi.sample()
-        ro["actions"][:, t] = action
-        ro["logprobs"][:, t] = pi.log_prob(action)
-        ro["values"][:, t] = out.value
-        obs, rewards[:, t], ended[:, t], finished = envs.step(action.cpu().numpy())  # the step's one wait
-        next_obs = torch.from_numpy(obs).to(next_obs.device)
-        step += envs.num_envs
-        for _, ep_return, length in finished:
-            episodes.append((step, ep_return, length))
-    ro["raw_rewards"].copy_(torch.from_numpy(rewards))
-    ro["ended"].copy_(torch.from_numpy(ended))
-    return next_obs, step, agent(next_obs).value, episodes
-
-
 def compute_targets(ro: Dict, next_value, args: Args, reward_normalizer: RewardNormalizer):
-    """Rewards, V_hat and advantages (normalised over the rollout)."""
+    """Writes the rollout's rewards, value targets V_hat and advantages (normalised over the rollout) into B."""
     raw, ended, values = ro["raw_rewards"].cpu(), ro["ended"].cpu(), ro["values"].cpu()
     rewards = raw
     if args.norm_reward:
@@ -382,70 +375,70 @@ def compute_targets(ro: Dict, next_value, args: Args, reward_normalizer: RewardN
     ro["advantages"].copy_((advantages - mean) / (math.sqrt(var) + 1e-8))
 
 
-def gradient_step(agent: PPGAgent, optimizer, mb: Dict, args: Args, loss_of):
-    """One step on mb's mean loss, backpropagated in weighted chunks: less memory, same gradient."""
+# The two phases ----------------------------------------------------------------------------------
+def gradient_step(agent: PPGAgent, optimizer, mb: Dict, args: Args, chunk_size: int, loss_fn, policy, value):
+    """One optimizer step on the mean of loss_fn over the minibatch mb. `policy` and `value` say which networks run
+    and which loss terms count. The minibatch goes through in chunks of chunk_size states (0: whole), each chunk's
+    loss weighted by its share of mb: less memory, the same gradient."""
     n, stats = mb["obs"].shape[0], {}
-    size = args.micro_batch_size or n
+    size = chunk_size or n
     for start in range(0, n, size):
         part = slice(start, min(start + size, n))
         weight = (part.stop - part.start) / n
-        loss, chunk_stats = loss_of({k: v[part] for k, v in mb.items()})
+        chunk = {k: v[part] for k, v in mb.items()}
+        out = agent(chunk["obs"], policy=policy, value=value)
+        loss, chunk_stats = loss_fn(out, chunk, args, policy=policy, value=value)
         (loss * weight).backward()
         for k, v in chunk_stats.items():
             stats[k] = stats.get(k, 0.0) + weight * v.detach()
-    if args.max_grad_norm > 0:  # each network's norm apart
+    if args.max_grad_norm > 0:  # the norm of each network apart
         for network in (agent.policy_parameters(), agent.value_parameters()):
             nn.utils.clip_grad_norm_(network, args.max_grad_norm)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)  # None: Adam skips what a loss did not reach
+    # Every optimizer holds every parameter. Setting the gradients to None (not 0) makes Adam skip the parameters
+    # that the next loss does not reach, so a step moves only the network it trains.
+    optimizer.zero_grad(set_to_none=True)
     return stats
 
 
-def minibatch_means(logs: Dict, where: str):  # NaN or inf stops the run
-    means = dict(zip(logs, torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()))
-    bad = [k for k, v in means.items() if not math.isfinite(v)]
-    if bad:
-        sys.exit(f"error: non-finite {', '.join(bad)} in the {where}; the last checkpoint kept")
-    return means
+def ppo_epochs(agent: PPGAgent, optimizer, batch: Dict, args: Args, chunk_size: int, epochs: int, policy, value, logs):
+    """`epochs` passes over the rollout in num_minibatches random minibatches, training as `policy` and `value` say."""
+    n = batch["obs"].shape[0]
+    for _ in range(epochs):
+        for idx in torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches):
+            mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}
+            stats = gradient_step(agent, optimizer, mb, args, chunk_size, policy_phase_loss, policy, value)
+            for k, v in stats.items():
+                logs[k].append(v)
 
 
-def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict, args: Args, value_optimizer=None):
-    """E_pi policy and E_V value epochs on a rollout, as released: with E_pi == E_V a step trains
-    both losses; else the value epochs come first."""
-    schedule = [(("policy", "value"), args.e_pi, optimizer)]
-    if args.e_pi != args.e_v:
-        schedule = [(("value",), args.e_v, value_optimizer), (("policy",), args.e_pi, optimizer)]
-    n, logs = batch["obs"].shape[0], defaultdict(list)
-    for terms, epochs, opt in schedule:
-
-        def loss_of(chunk):
-            return policy_phase_loss(agent(chunk["obs"], terms), chunk, args, terms)
-
-        for _ in range(epochs):
-            for idx in torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches):
-                mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}
-                for k, v in gradient_step(agent, opt, mb, args, loss_of).items():
-                    logs[k].append(v)
+def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict, args: Args, value_optimizer=None, chunk_size=0):
+    """The E_pi policy epochs and E_V value epochs on one rollout, as in the released code."""
+    logs = defaultdict(list)
+    if args.e_pi == args.e_v:  # each step trains both networks, on the sum of their losses
+        ppo_epochs(agent, optimizer, batch, args, chunk_size, args.e_pi, policy=True, value=True, logs=logs)
+    else:  # the value network's epochs first, with an Adam of their own, then the policy network's
+        ppo_epochs(agent, value_optimizer, batch, args, chunk_size, args.e_v, policy=False, value=True, logs=logs)
+        ppo_epochs(agent, optimizer, batch, args, chunk_size, args.e_pi, policy=True, value=False, logs=logs)
     return minibatch_means(logs, "policy phase")
 
 
-def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict, args: Args):
-    """pi_old into B, then E_aux epochs on minibatches of whole trajectories (fewer: the KL guard)."""
+def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict, args: Args, chunk_size: int = 0):
+    """Stores pi_old in B, then trains both networks for E_aux epochs on minibatches of whole trajectories. With
+    --aux-kl-stop, the phase ends after an epoch whose mean KL(pi_old || pi) exceeds it. Returns each epoch's means."""
     obs, epochs = buffers["obs"], []
-    chunk = args.micro_batch_size or args.aux_mb_trajectories * args.num_steps
-    # pi_old: the policy after the policy phase, as logits (an unchanged policy: KL exactly 0)
+    # pi_old is the policy as the policy phase left it, stored as logits: so KL(pi_old || pi) is exactly 0 before the
+    # first auxiliary step
+    states = chunk_size or args.aux_mb_trajectories * args.num_steps
     with torch.no_grad():
-        logits = [agent(part, ("policy",)).logits for part in obs.flatten(0, 1).split(chunk)]
+        logits = [agent(part, value=False).logits for part in obs.flatten(0, 1).split(states)]
         buffers["pi_old_logits"].copy_(torch.cat(logits).view(*obs.shape[:2], -1))
-
-    def loss_of(chunk):
-        return aux_phase_loss(agent(chunk["obs"]), chunk, args)
-
     for epoch in range(1, args.e_aux + 1):
         logs, epoch_start = defaultdict(list), time.time()
         for rows in torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories):
             mb = {k: v[rows].flatten(0, 1) for k, v in buffers.items()}
-            for k, v in gradient_step(agent, optimizer, mb, args, loss_of).items():
+            stats = gradient_step(agent, optimizer, mb, args, chunk_size, aux_phase_loss, policy=True, value=True)
+            for k, v in stats.items():
                 logs[k].append(v)
         means = minibatch_means(logs, "auxiliary phase")
         epochs.append(means)
@@ -457,12 +450,157 @@ def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict, args: Args):
     return epochs
 
 
-def named_flags(argv):  # --no-cuda names cuda
+# Algorithm 1 -------------------------------------------------------------------------------------
+def main(args: Args, given: set):
+    run = setup(args, given)  # the flags checked, the run's folder, lock and log opened: below the banner
+    if run is None:
+        return
+    args, plan, device, chunk_size = run.args, run.plan, run.device, run.chunk_size
+    phase = run.ckpt["phase"] if run.ckpt else 0
+    global_step = run.ckpt["global_step"] if run.ckpt else 0
+    batch_size = args.num_envs * args.num_steps
+    iteration = global_step // batch_size
+    seed = seed_everything(args, phase)
+    envs = AtariVecEnv(args, args.num_envs, seed)
+    agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi and theta_V
+    # As released, one Adam per phase, and a third for the value epochs when E_pi != E_V; each holds every parameter
+    optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
+    policy_optimizer, aux_optimizer, value_optimizer = optimizers
+    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
+    buffers = {}  # B: for each field of buffer_fields, an array of (trajectories, steps) items
+    for name, (shape, dtype) in buffer_fields(envs.num_actions).items():
+        buffers[name] = torch.zeros(plan["trajectories"], args.num_steps, *shape, dtype=dtype, device=device)
+    recent_returns = deque(maxlen=100)
+    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
+    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer, envs=envs)
+    if run.ckpt:
+        restore(run.ckpt, stateful, recent_returns)
+        print(f"resumed from {run.dir}/checkpoint.pt after phase {phase}, step {global_step:,}; {envs.RESUME}")
+    stop_on_signals(run.dir)
+    next_obs = torch.from_numpy(envs.reset()).to(device)
+    clock = Progress(plan, batch_size, global_step)
+    try:
+        while iteration < plan["num_iterations"]:
+            phase, phase_start = phase + 1, time.time()
+            # The policy phase: N_pi rollouts, each followed by E_pi policy epochs and E_V value epochs
+            for i in range(min(args.n_pi, plan["num_iterations"] - iteration)):
+                iteration += 1
+                # Rollout i fills rows i * num_envs to (i + 1) * num_envs of B (views into it); without an
+                # auxiliary phase, B holds one rollout
+                slot = i if plan["aux_phases"] else 0
+                ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}
+                next_obs, next_value, episodes = collect_rollout(agent, envs, next_obs, ro, global_step)
+                global_step += batch_size
+                compute_targets(ro, next_value, args, reward_normalizer)
+                for step, ep_return, length in episodes:
+                    run.writer.add_scalar("charts/episodic_return", ep_return, step)
+                    run.writer.add_scalar("charts/episodic_length", length, step)
+                    recent_returns.append(ep_return)
+                batch = {k: v.flatten(0, 1) for k, v in ro.items()}
+                stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer, chunk_size)
+                for name, value in stats.items():
+                    run.writer.add_scalar("losses/" + name, value, global_step)
+                clock.rollout_done(run.writer, phase, iteration, global_step, recent_returns)
+            # The auxiliary phase: pi_old, then E_aux epochs over B (none after the last rollout)
+            aux_epochs, aux_start = [], time.time()
+            if args.e_aux > 0 and iteration < plan["num_iterations"]:
+                aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args, chunk_size=chunk_size)
+            for name, value in (aux_epochs[-1] if aux_epochs else {}).items():  # the last epoch's means
+                run.writer.add_scalar("aux_phase/" + name, value, global_step)
+            print(f"phase {phase} done in {time.time() - phase_start:.1f}s (aux {time.time() - aux_start:.1f}s)")
+            # The end of a phase is where a resumed run goes on from. The log is flushed first, so that a kill
+            # after the checkpoint loses none of the phase's log.
+            run.writer.flush()
+            save_checkpoint(run.dir, dict(run.header, phase=phase, global_step=global_step), stateful, recent_returns)
+    finally:
+        run.writer.close()
+    envs.env.close()
+    path = os.path.join(run.dir, "checkpoint.pt")
+    print(f"checkpoint: {path}; evaluate it: python tools/evaluate.py {path}")
+
+
+# =====================================================================================================================
+# The run's plumbing: flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals
+# and progress lines. Nothing below changes what the run computes.
+# =====================================================================================================================
+
+
+# Seeds -------------------------------------------------------------------------------------------
+def seed_everything(args: Args, phase: int) -> int:
+    """Seeds python, numpy and torch, and returns the seed of the envs.
+
+    A fresh run starts at phase 0 with --seed. A resumed run restores every random stream from its checkpoint right
+    after this, so there the seed reaches only the envs it creates. Procgen's envs then load their saved games, but
+    Atari's start new games, which should differ from the games the run played before: so the seed moves on by
+    100_003 per finished phase, a step larger than any --num-envs, so that the new games are not those of a run given
+    a nearby seed either. Atari's env i takes seed + i: the modulus 2^31 - num_envs keeps every env's seed below 2^31.
+    """
+    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = True
+    return seed
+
+
+def minibatch_means(logs: Dict, where: str):
+    """The mean of each statistic over the minibatches, with one wait for the device. NaN or inf stops the run."""
+    means = dict(zip(logs, torch.stack([torch.stack(v).mean() for v in logs.values()]).tolist()))
+    bad = [k for k, v in means.items() if not math.isfinite(v)]
+    if bad:
+        sys.exit(f"error: non-finite {', '.join(bad)} in the {where}; the last checkpoint is kept")
+    return means
+
+
+def make_plan(args: Args, start_step: int = 0, start_phase: int = 0):
+    """Checks the flags, and counts the run's rollouts, phases and aux phases, and the rows of B."""
+    positive = ["num_envs", "num_steps", "num_minibatches", "n_pi", "e_pi", "e_v"]
+    positive += ["total_timesteps", "aux_mb_trajectories", "learning_rate", "max_episode_frames"]
+    for name, value in vars(args).items():
+        if type(value) not in (int, float):
+            continue
+        rule, ok = ">= 0", 0 <= value < math.inf  # nan fails every comparison
+        if name in positive:
+            rule, ok = "> 0", 0 < value < math.inf
+        if name in ["gamma", "gae_lambda", "reward_norm_gamma"]:
+            rule, ok = "in [0, 1]", 0 <= value <= 1
+        if name == "seed":
+            rule, ok = "in [0, 2^31)", 0 <= value < 2**31
+        if name == "repeat_action_probability":
+            rule, ok = "in [0, 1)", 0 <= value < 1
+        if not ok:
+            sys.exit(f"error: --{name.replace('_', '-')} must be a finite number {rule} (got {value})")
+    gym.register_envs(ale_py)
+    ale_id = ale_protocol(args.env_id)[0]
+    if ale_id not in gym.registry or not ale_id.endswith("-v5"):  # only v5 ids have ale-py's vector env
+        sys.exit(f"error: --env-id {args.env_id}: not an ale-py game id, as BreakoutNoFrameskip-v4 or ALE/Breakout-v5")
+    if args.clip_coef == 0 and args.kl_penalty == 0:
+        sys.exit("error: --clip-coef 0 leaves the policy step unbounded: add --kl-penalty 1")
+    batch_size = args.num_envs * args.num_steps
+    if batch_size % args.num_minibatches:
+        sys.exit(f"error: --num-minibatches must divide the {batch_size} states of a rollout")
+    num_iterations = math.ceil(args.total_timesteps / batch_size)
+    phases_left = math.ceil((num_iterations - start_step // batch_size) / args.n_pi)
+    aux_phases = 0  # no auxiliary phase follows the last rollout
+    if args.e_aux > 0 and phases_left > 0:
+        aux_phases = phases_left - 1
+    trajectories = args.num_envs
+    if aux_phases:
+        trajectories = args.n_pi * args.num_envs
+    if aux_phases and trajectories % args.aux_mb_trajectories:
+        sys.exit(f"error: --aux-mb-trajectories must divide the {trajectories} trajectories of B")
+    plan = dict(num_iterations=num_iterations, num_phases=start_phase + phases_left)
+    return dict(plan, aux_phases=aux_phases, trajectories=trajectories)
+
+
+def named_flags(argv):
+    """The names of the flags on a command line, as Args names them (--no-cuda names cuda)."""
     return {word[2:].split("=")[0].replace("-", "_").removeprefix("no_") for word in argv if word[:2] == "--"}
 
 
 def resume_args(args: Args, given: set):
-    """The run's flags: those in `given` keep their values, but may_change."""
+    """The resumed run's flags, its checkpoint and its folder. The flags keep the run's values, except those in
+    may_change that are given on the command line."""
     path = args.resume
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.pt")
@@ -489,7 +627,16 @@ def resume_args(args: Args, given: set):
     return Args(**saved), state, os.path.dirname(os.path.abspath(path))
 
 
-def memory_plan(args: Args, rows, free: float, on_gpu: bool):
+class MemoryPlan(NamedTuple):
+    chunk_size: int  # states per backward pass (0: whole minibatches)
+    buffer_bytes: int  # B's size
+    chunk_bytes: float  # the activations of one chunk
+
+
+def memory_plan(args: Args, rows, free: float, on_gpu: bool) -> MemoryPlan:
+    """Chooses the chunk size (--micro-batch-size unset: 256 on a CPU, the fastest measured there; on a GPU whole
+    minibatches if they fit, else the largest power of 2 that does), and stops the run if B and a chunk's
+    activations do not fit in the free memory."""
     step_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in buffer_fields(NUM_ACTIONS).values())
     buffer_bytes = math.prod(rows) * step_bytes
     per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)
@@ -498,14 +645,14 @@ def memory_plan(args: Args, rows, free: float, on_gpu: bool):
     fits = int(max(free - buffer_bytes, 0) // per_state)
     chunk = args.micro_batch_size
     if chunk is None and not on_gpu:
-        chunk = 256  # the fastest on a CPU (tools/benchmark.py)
-    if chunk is None:  # a GPU's: whole minibatches if they fit, else the most that do
+        chunk = 256
+    if chunk is None:
         chunk = 0 if fits >= largest else 2 ** max(fits.bit_length() - 1, 0)
     states = min(chunk or largest, largest)
     if states > fits:
         need = f"B {buffer_bytes / 2**30:.1f} GiB, chunks of {states} states {states * per_state / 2**30:.1f} GiB"
         sys.exit(f"error: {need}: over {free / 2**30:.1f} GiB free: lower --n-pi, --num-envs or --micro-batch-size")
-    return chunk, buffer_bytes, states * per_state
+    return MemoryPlan(chunk, buffer_bytes, states * per_state)
 
 
 def free_memory(device):
@@ -516,8 +663,9 @@ def free_memory(device):
 
 
 def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: str):
+    """Creates the run's folder and locks it, and starts W&B with --track. Returns the W&B run's id."""
     os.makedirs(run_dir, exist_ok=True)
-    # One process a run: a lock the kernel drops as the process ends (kill -9 too)
+    # One process per run: the kernel drops this lock however the process ends (kill -9 too)
     lock = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -527,19 +675,31 @@ def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: st
     wandb_id = ckpt["wandb_id"] if ckpt else None
     if args.track:
         try:
-            import wandb  # only with --track
+            import wandb  # imported only with --track
 
             config = dict(config=vars(args), name=run_name, id=wandb_id, resume="allow", sync_tensorboard=True)
             wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **config).id
-        except Exception as e:  # not installed, no login, no network
+        except Exception as e:  # not installed, not logged in, no network
             if not ckpt:
-                shutil.rmtree(run_dir)  # its lock alone
+                shutil.rmtree(run_dir)  # it holds the lock alone
             sys.exit(f"error: --track: {repr(e)[:200]} (pip install wandb; wandb login)")
     return wandb_id
 
 
-def setup(args: Args, given: set):
-    """All before the envs; None if a resumed run has no steps left."""
+@dataclasses.dataclass
+class Run:
+    args: Args  # the flags as the run uses them (a resumed run's own)
+    ckpt: Optional[Dict]  # the checkpoint a resumed run goes on from (None: a fresh run)
+    plan: Dict  # make_plan's counts
+    device: torch.device
+    dir: str  # the run's folder, runs/{run_name}
+    writer: SummaryWriter
+    header: Dict  # what every checkpoint of this process records beside the state
+    chunk_size: int  # states per backward pass (memory_plan; 0: whole minibatches)
+
+
+def setup(args: Args, given: set) -> Optional[Run]:
+    """Everything before the envs exist. Returns None when a resumed run has no steps left."""
     ckpt, run_dir = None, None
     if args.resume:
         args, ckpt, run_dir = resume_args(args, given)
@@ -552,16 +712,15 @@ def setup(args: Args, given: set):
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
     torch.backends.cudnn.allow_tf32 = args.precision == "tf32"
     rows = (plan["trajectories"], args.num_steps)
-    chunk, *memory = memory_plan(args, rows, free_memory(device), device.type == "cuda")
-    flags = dict(vars(args))  # as given: a resume chooses anew
-    args = dataclasses.replace(args, micro_batch_size=chunk)
-    # What a bit-identical resume needs kept
-    same = dict(threads=torch.get_num_threads(), torch=str(torch.__version__), micro_batch_size=chunk)
+    memory = memory_plan(args, rows, free_memory(device), device.type == "cuda")
+    # What a bit-identical resume needs to be the same. The chunk size is recorded under its flag's name.
+    same = dict(threads=torch.get_num_threads(), torch=str(torch.__version__), micro_batch_size=memory.chunk_size)
     same["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = run_dir or f"runs/{run_name}"
     wandb_id = open_run_folder(args, ckpt, run_dir, run_name)
-    header = dict(script=SCRIPT, run_name=run_name, args=flags, wandb_id=wandb_id, same=same)
+    # The flags are saved as given, so --micro-batch-size unset stays unset: a resume chooses its own chunk size
+    header = dict(script=SCRIPT, run_name=run_name, args=vars(args), wandb_id=wandb_id, same=same)
     print(f"run {run_name} on {device}, precision {args.precision}")
     batch_size, iterations = args.num_envs * args.num_steps, plan["num_iterations"]
     print(
@@ -569,14 +728,16 @@ def setup(args: Args, given: set):
         f" x {args.num_steps} steps = {iterations * batch_size:,} env steps; aux phases: {plan['aux_phases']}"
     )
     mb, aux_mb = batch_size // args.num_minibatches, args.aux_mb_trajectories * args.num_steps
-    print(f"PPO minibatch {mb} states, aux minibatch {aux_mb}; chunks of {args.micro_batch_size or 'all'} states")
-    print(f"B {memory[0] / 2**30:.2f} GiB (uint8 frames), a chunk's activations {memory[1] / 2**30:.2f} GiB")
+    print(f"PPO minibatch {mb} states, aux minibatch {aux_mb}; chunks of {memory.chunk_size or 'all'} states")
+    print(
+        f"B {memory.buffer_bytes / 2**30:.2f} GiB (uint8 frames), activations per chunk {memory.chunk_bytes / 2**30:.2f} GiB"
+    )
     changed = [f"{k} {v} -> {same[k]}" for k, v in (ckpt or header)["same"].items() if v != same[k]]
     if changed:
         print(f"not bit for bit the run unbroken: {', '.join(changed)}")
-    # purge_step: a resume hides all the stopped run logged after its checkpoint
+    # purge_step: a resumed run's log hides all that the stopped run logged after its checkpoint
     writer = SummaryWriter(run_dir, purge_step=start_step + 1 if ckpt else None)
-    return args, ckpt, plan, device, run_dir, writer, header
+    return Run(args, ckpt, plan, device, run_dir, writer, header, memory.chunk_size)
 
 
 def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
@@ -584,7 +745,8 @@ def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
         state[name] = thing.state_dict()
     state["python_rng"] = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy_rng"] = [kind, keys.tolist(), pos, has_gauss, cached]  # weights_only reads no arrays
+    # As a list, because torch.load with weights_only=True reads no numpy arrays
+    state["numpy_rng"] = [kind, keys.tolist(), pos, has_gauss, cached]
     state["torch_rng"] = torch.get_rng_state()
     if torch.cuda.is_initialized():
         state["cuda_rng"] = torch.cuda.get_rng_state()
@@ -592,7 +754,7 @@ def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
     path = os.path.join(run_dir, "checkpoint.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
-        os.fsync(f.fileno())  # on disk before the rename
+        os.fsync(f.fileno())  # on disk before the rename, so a crash leaves the old checkpoint or the new one
     os.replace(path + ".tmp", path)
 
 
@@ -605,11 +767,13 @@ def restore(ckpt: Dict, stateful: Dict, recent_returns):
     if "cuda_rng" in ckpt and torch.cuda.is_available():
         torch.cuda.set_rng_state(ckpt["cuda_rng"])
     recent_returns.extend(ckpt["recent_returns"])
-    if stateful["envs"].NEW_GAMES:  # each env's discounted return starts again with its game
-        stateful["reward_normalizer"].ret[:] = 0.0
+    # An env that starts a new game on resume ends its episode there, so the discounted return that the reward
+    # normaliser keeps for it starts again at 0, as at any episode's end
+    stateful["reward_normalizer"].ret[stateful["envs"].new_games] = 0.0
 
 
 def stop_on_signals(run_dir: str):
+    """On SIGTERM or SIGINT (Ctrl-C), stops the run with a line that says how to resume it."""
 
     def stop(signum, frame):
         how = f"resume with: python {SCRIPT} --resume {os.path.abspath(run_dir)}"
@@ -622,80 +786,22 @@ def stop_on_signals(run_dir: str):
     signal.signal(signal.SIGINT, stop)
 
 
-def main(args: Args, given: set):
-    run = setup(args, given)
-    if run is None:
-        return
-    args, ckpt, plan, device, run_dir, writer, header = run
-    phase = ckpt["phase"] if ckpt else 0
-    global_step = ckpt["global_step"] if ckpt else 0
-    num_iterations, batch_size = plan["num_iterations"], args.num_envs * args.num_steps
-    iteration = global_step // batch_size
-    # A resume restores the streams; its new envs take a seed 100_003 a phase on
-    seed = (args.seed + 100_003 * phase) % (2**31 - args.num_envs)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.backends.cudnn.deterministic = True
-    envs = AtariVecEnv(args, args.num_envs, seed)
-    agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi, theta_V
-    # An Adam a phase, as released (and E_V's when E_pi != E_V), each over all parameters: a step moves
-    # those its loss reaches
-    optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
-    policy_optimizer, aux_optimizer, value_optimizer = optimizers
-    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
-    buffers = {}  # B
-    for k, (shape, dtype) in buffer_fields(envs.num_actions).items():
-        buffers[k] = torch.zeros(plan["trajectories"], args.num_steps, *shape, dtype=dtype, device=device)
-    recent_returns = deque(maxlen=100)
-    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
-    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer, envs=envs)
-    if ckpt:
-        restore(ckpt, stateful, recent_returns)
-        print(f"resumed from {run_dir}/checkpoint.pt after phase {phase}, step {global_step:,}; {envs.RESUME}")
-    stop_on_signals(run_dir)
-    next_obs = torch.from_numpy(envs.reset()).to(device)
-    start_time, start_step = time.time(), global_step
-    try:
-        while iteration < num_iterations:
-            phase, phase_start = phase + 1, time.time()
-            # Policy phase: N_pi rollouts, each with E_pi and E_V epochs
-            for i in range(min(args.n_pi, num_iterations - iteration)):
-                iteration += 1
-                slot = i if plan["aux_phases"] else 0  # rollout i's rows of B (views)
-                ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}
-                next_obs, global_step, next_value, episodes = collect_rollout(agent, envs, next_obs, ro, global_step)
-                compute_targets(ro, next_value, args, reward_normalizer)
-                for step, ep_return, length in episodes:
-                    writer.add_scalar("charts/episodic_return", ep_return, step)
-                    writer.add_scalar("charts/episodic_length", length, step)
-                    recent_returns.append(ep_return)
-                batch = {k: v.flatten(0, 1) for k, v in ro.items()}
-                stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer)
-                for name, value in stats.items():
-                    writer.add_scalar("losses/" + name, value, global_step)
-                sps = (global_step - start_step) / (time.time() - start_time)
-                writer.add_scalar("charts/SPS", int(sps), global_step)
-                seconds = round((num_iterations - iteration) * batch_size / sps)  # at this start's mean rate
-                eta = f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 60 else f"{seconds}s"
-                mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"
-                where = f"phase {phase}/{plan['num_phases']} iter {iteration}/{num_iterations} step {global_step:,}"
-                print(f"{where} SPS {sps:.0f} ETA {eta} return {mean_return}", flush=True)
-            # Auxiliary phase: pi_old, then E_aux epochs over B
-            aux_epochs, aux_start = [], time.time()
-            if args.e_aux > 0 and iteration < num_iterations:  # none after the last rollout
-                aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args)
-            for name, value in (aux_epochs[-1] if aux_epochs else {}).items():  # the last epoch's
-                writer.add_scalar("aux_phase/" + name, value, global_step)
-            print(f"phase {phase} done in {time.time() - phase_start:.1f}s (aux {time.time() - aux_start:.1f}s)")
-            # The phase's end: the checkpoint a resume goes on from
-            writer.flush()  # first: a kill after this loses none of the phase's log
-            save_checkpoint(run_dir, dict(header, phase=phase, global_step=global_step), stateful, recent_returns)
-    finally:
-        writer.close()
-    envs.env.close()
-    path = os.path.join(run_dir, "checkpoint.pt")
-    print(f"checkpoint: {path}; evaluate it: python tools/evaluate.py {path}")
+class Progress:
+    """The console's progress line and charts/SPS, once per rollout."""
+
+    def __init__(self, plan: Dict, batch_size: int, start_step: int):
+        self.plan, self.batch_size = plan, batch_size
+        self.start_time, self.start_step = time.time(), start_step
+
+    def rollout_done(self, writer, phase: int, iteration: int, global_step: int, recent_returns):
+        sps = (global_step - self.start_step) / (time.time() - self.start_time)
+        writer.add_scalar("charts/SPS", int(sps), global_step)
+        # The time left, at this process's mean rate
+        seconds = round((self.plan["num_iterations"] - iteration) * self.batch_size / sps)
+        eta = f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 60 else f"{seconds}s"
+        mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"
+        where = f"phase {phase}/{self.plan['num_phases']} iter {iteration}/{self.plan['num_iterations']}"
+        print(f"{where} step {global_step:,} SPS {sps:.0f} ETA {eta} return {mean_return}", flush=True)
 
 
 if __name__ == "__main__":

@@ -242,8 +242,8 @@ def test_a_nan_stops_the_run_in_one_line_and_leaves_the_last_checkpoint_intact(p
     monkeypatch.setattr(script, "collect_rollout", lambda *a: rollouts.append(1) or real_collect(*a))
 
     def poisoned(real):  # the loss, and its logged value_loss, NaN from rollout 3 on
-        def loss(*a):
-            total, stats = real(*a)
+        def loss(*a, **kw):
+            total, stats = real(*a, **kw)
             if len(rollouts) < 3:
                 return total, stats
             return total * math.nan, dict(stats, value_loss=stats["value_loss"] * math.nan)

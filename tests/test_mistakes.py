@@ -89,7 +89,7 @@ def recorded(request, tmp_path_factory):
             mp,
             script,
             "auxiliary_phase",
-            before=lambda agent, opt, buffers, args: rec["targets"].append(buffers["returns"].clone()),
+            before=lambda agent, opt, buffers, args, **kw: rec["targets"].append(buffers["returns"].clone()),
         )
         wrap(mp, script, "gradient_step", before=lambda agent, opt, *a: rec["steps"].append((phase[0], opt)))
         wrap(mp, script, "compute_gae", before=lambda rewards, *a: rec["gae_rewards"].append(rewards.clone()))
@@ -237,9 +237,11 @@ def test_max_grad_norm_clips_each_network_separately(script):
         def zero_grad(self, set_to_none=True):
             agent.zero_grad(set_to_none=set_to_none)
 
-    no_loss = lambda chunk: (torch.zeros((), requires_grad=True), {})  # noqa: E731 (the step's gradients: those above)
+    def no_loss(out, chunk, args, policy, value):  # the step's gradients are those set above
+        return torch.zeros((), requires_grad=True), {}
+
     mb = dict(obs=torch.zeros(4, *script.OBS_SHAPE, dtype=torch.uint8))
-    script.gradient_step(agent, Recorder(), mb, script.Args(max_grad_norm=0.5, micro_batch_size=0), no_loss)
+    script.gradient_step(agent, Recorder(), mb, script.Args(max_grad_norm=0.5), 0, no_loss, True, True)
     assert seen["v"] == pytest.approx(0.5, rel=1e-3)  # the value network's gradient is clipped to the norm
     assert seen["pi"] == pytest.approx(policy_norm, rel=1e-5) and policy_norm < 0.5  # the policy's is untouched
 
@@ -268,14 +270,14 @@ def test_entropy_bonus_is_added_with_its_coefficient(script):
         grads[coef] = torch.cat([g.flatten() for g in recorded.values()])
     assert torch.count_nonzero(grads[0.0]) == 0  # zero advantages: no policy-gradient signal at all
     with torch.no_grad():
-        logits = agent(batch["obs"], terms=("policy",)).logits
+        logits = agent(batch["obs"], value=False).logits
         entropy = torch.distributions.Categorical(logits=logits).entropy().mean()
     assert float(entropy) < math.log(6)  # not at the maximum, so the bonus has a direction to push
     assert torch.allclose(grads[0.02], 2 * grads[0.01], rtol=1e-4, atol=1e-9)
     # the step direction raises the entropy: gradient descent on -coef * entropy
     torch.manual_seed(0)
     agent = script.PPGAgent(script.Args(), script.OBS_SHAPE, 6)
-    logits = agent(batch["obs"], terms=("policy",)).logits
+    logits = agent(batch["obs"], value=False).logits
     (-torch.distributions.Categorical(logits=logits).entropy().mean()).backward()
     expected = torch.cat([p.grad.flatten() for p in agent.pi_head.parameters()])
     assert torch.allclose(grads[0.01], 0.01 * expected, rtol=1e-3, atol=1e-9)

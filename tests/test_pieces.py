@@ -67,7 +67,7 @@ def test_ppo_clipped_loss(script):
     advantages = torch.tensor([1.0, -1.0])
     out = script.AgentOutput(logits=logits, value=None, aux_value=None)
     mb = dict(actions=actions, logprobs=old_logprobs, advantages=advantages)
-    loss, stats = script.policy_phase_loss(out, mb, script.Args(clip_coef=0.2, ent_coef=0.01), terms=("policy",))
+    loss, stats = script.policy_phase_loss(out, mb, script.Args(clip_coef=0.2, ent_coef=0.01), value=False)
     entropy, approx_kl, clipfrac = stats["entropy"], stats["approx_kl"], stats["clipfrac"]
     # state 0: min(1.5, 1.2) * 1 = 1.2 -> -1.2;  state 1: max(0.5, 0.8) * 1 -> 0.8
     assert float(stats["policy_loss"]) == pytest.approx((-1.2 + 0.8) / 2)
@@ -202,9 +202,10 @@ def test_chunked_gradients_equal_whole_minibatch(script, arch):
         pol_opt = torch.optim.SGD(agent.parameters(), lr=1e-3)
         aux_opt = torch.optim.SGD(agent.parameters(), lr=1e-3)
         torch.manual_seed(123)
-        stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args)
+        stats = script.policy_phase_update(agent, pol_opt, random_batch(script, 16, A), args, chunk_size=micro)
         obs_buf = random_obs(script, 4 * 8).view(4, 8, *script.OBS_SHAPE)
-        aux = script.auxiliary_phase(agent, aux_opt, aux_buffers(script, obs_buf, torch.randn(4, 8)), args)
+        buffers = aux_buffers(script, obs_buf, torch.randn(4, 8))
+        aux = script.auxiliary_phase(agent, aux_opt, buffers, args, chunk_size=micro)
         results.append(([p.detach() - s for p, s in zip(agent.parameters(), start)], stats, aux))
     (d0, s0, e0), (d1, s1, e1) = results
     assert all(bool(torch.count_nonzero(d)) for d in d0)  # every parameter was trained
@@ -315,12 +316,12 @@ def test_snapshot_is_taken_once_at_the_start_of_the_aux_phase(script, arch, bf16
     assert aux[0]["clone_kl"] == pytest.approx(0.0, abs=0.0 if bf16 else 1e-6)
     assert aux[1]["clone_kl"] > 1e-5
     # a snapshot alone (E_aux 0), taken now in chunks of 5 states: the policy as it is after the updates
-    script.auxiliary_phase(agent, None, buffers, dataclasses.replace(args, e_aux=0, micro_batch_size=5))
+    script.auxiliary_phase(agent, None, buffers, dataclasses.replace(args, e_aux=0), chunk_size=5)
     old = buffers["pi_old_logits"]
     assert old.shape == (4, 8, A)
     with torch.no_grad():
         # the policy's logits as it is now (not log-probabilities), up to fp32 kernels' batch-size effects
-        assert torch.allclose(old, agent(obs_buf.flatten(0, 1), terms=("policy",)).logits.view(4, 8, A), atol=1e-6)
+        assert torch.allclose(old, agent(obs_buf.flatten(0, 1), value=False).logits.view(4, 8, A), atol=1e-6)
 
 
 def test_kl_guard_stops_aux_phase(script, capsys):

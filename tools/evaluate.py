@@ -98,7 +98,7 @@ def play(agent, envs, episodes: int, device, video_dir=None) -> list:
     while any(len(r) < q for r, q in zip(returns, quota)):
         if video_dir:
             frames.append(obs[0] if obs.shape[-1] == 3 else obs[0, :, :, -1])
-        logits = agent(torch.from_numpy(obs).to(device), terms=("policy",)).logits  # the policy network alone
+        logits = agent(torch.from_numpy(obs).to(device), value=False).logits  # the policy network alone
         obs, _, _, finished = envs.step(
             torch.distributions.Categorical(logits=logits, validate_args=False).sample().cpu().numpy()
         )
