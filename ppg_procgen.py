@@ -52,7 +52,7 @@ class Args:
     start_level: int = 0  # the seed of the first training level
     total_timesteps: int = 25_000_000  # env steps to train for (rounded up to whole rollouts)
     learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant, as in the released code)
-    num_envs: int = 64  # parallel envs (the paper: 256, with --aux-mb-trajectories 16)
+    num_envs: int = 64  # parallel envs (the paper: 256, with 16 trajectories per auxiliary minibatch)
     num_steps: int = 256  # steps of each env per rollout
     gamma: float = 0.999  # the discount of GAE and of the value targets
     gae_lambda: float = 0.95  # the lambda of GAE
