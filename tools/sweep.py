@@ -23,8 +23,8 @@ folder: a run whose checkpoint reached the planned steps is done and starts noth
 from it (`--resume` with the same flags); a folder without one is emptied and the run starts afresh. So the same
 command, run again, finishes what was stopped and leaves what is done. Where a folder has a checkpoint, done or not, the
 command must describe that run: the budget may rise, but a training flag that differs from the checkpoint's, given or
-left at its default, stops the sweep in one line. Do not run the command again while its jobs still run (--status
-says which do): it would start each unfinished run a second time.
+left at its default, stops the sweep in one line. Run again while its jobs still run, it starts no run twice: a job
+holds a lock in its run's folder (JOB_LOCK) from its first moment, and a run whose lock is held is left out.
 
 --cluster slurm submits every job as one job array and returns; a job that reaches its time limit, or that the cluster
 preempts (with its warning signal, or with SIGTERM as `scontrol requeue` does), is requeued and resumes from its last
