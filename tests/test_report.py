@@ -2,6 +2,7 @@
 matches), rliable's IQM, mean and intervals over a runs x games matrix, the probability of improvement, the figure."""
 
 import importlib.util
+import logging
 import os
 import re
 import subprocess
@@ -50,6 +51,30 @@ def test_the_report_of_a_sweep_has_its_table_aggregate_and_figure(sweep_grid, tm
     assert "Ranking: none, the runs are too short: fewer than 100 episodes a run by 192 env steps." in text
     assert "P(ppg > ppo) needs longer runs" in text and "[" not in text.split("| ppg | 2 x 1 |")[1].splitlines()[0]
     assert out.with_suffix(".png").stat().st_size > 10_000  # drawn (and looked at when this test was written)
+
+
+def test_a_resumed_runs_log_is_read_without_tensorboards_purge_warning(tmp_path, caplog):
+    """A resumed run's event files: its stopped start logged past its checkpoint (here step 192 after one at 128),
+    which the resume's purge marker drops. report.py reads the run as resumed, without TensorBoard's "Detected out of
+    order event.step" warning, which would come at every resumed run's read."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    report = load_report()
+    run = tmp_path / "sweep" / "dodgeball__ppg__1" / "runs" / "dodgeball__ppg__1__1"
+    run.mkdir(parents=True)
+    torch.save(dict(args={}, global_step=256, phase=2), run / "checkpoint.pt")
+    writer = SummaryWriter(str(run))
+    for step in (64, 128, 192):
+        writer.add_scalar("losses/value_loss", 1.0, step)
+    writer.close()
+    writer = SummaryWriter(str(run), purge_step=129)  # as the scripts resume from a checkpoint at step 128
+    for step in (192, 256):
+        writer.add_scalar("losses/value_loss", 2.0, step)
+    writer.close()
+    caplog.set_level(logging.NOTSET)  # every record, as a command line prints those its logger lets through
+    (read,) = report.read_runs(tmp_path / "sweep")
+    assert read["last"] == 256
+    assert not [r for r in caplog.records if "out of order" in r.getMessage()], caplog.text
 
 
 def test_iqm_and_intervals_are_rliables_and_the_iqm_a_hand_computation():

@@ -266,6 +266,12 @@ def test_a_job_requeued_after_its_first_checkpoint_resumes_from_it(slurm_runs, h
     run = slurm_runs.folder[SEEDS[how]]
     first, second = starts(run)
     assert "stopped by SIGTERM; resume with:" in first and "exit 143" in first[-1000:], first[-500:]
+    # the job's note: the requeued job resumes the run (running the sweep again would submit a second job for it)
+    note = {
+        "time_limit": "# stopped by SIGTERM for a requeue of its job: the requeued job resumes it by itself",
+        "requeued": "# stopped by SIGTERM, a run of a sweep on SLURM: where SLURM requeued its job (scontrol requeue",
+    }
+    assert note[how] in first and "to resume it, run the sweep again" not in first, first[-800:]
     assert " --resume " in second.splitlines()[1] and "resumed from " in second and second.rstrip().endswith("exit 0")
     assert_ends_right(run)
 
@@ -279,8 +285,8 @@ def test_a_job_requeued_before_its_first_checkpoint_starts_afresh(slurm_runs):
 
 
 def test_status_shows_a_queued_job_and_reports_a_failed_one(slurm_runs):
-    """--status, while a requeued job waited for its BeginTime and at the end: the killed run is failed, with its
-    log's last line and the env step it reached; the others are done."""
+    """--status, while a requeued job waited for its BeginTime and at the end: the killed run (SIGKILL of its training
+    process) is stopped, killed, with the env step it reached and what resumes it; the others are done."""
     waiting = slurm_runs.waiting_status
     assert re.search(
         r"^queued +dodgeball__ppg__\d: step \d+ of 256.*; job \d+_\d PENDING, BeginTime$", waiting, re.M
@@ -289,10 +295,11 @@ def test_status_shows_a_queued_job_and_reports_a_failed_one(slurm_runs):
     for seed in (1, 2, 3):
         assert f"done        dodgeball__ppg__{seed}: step 256 of 256" in lines, slurm_runs.final_status
     killed = [line for line in lines if "dodgeball__ppg__4" in line]
-    assert len(killed) == 1 and re.match(r"failed +dodgeball__ppg__4: step \d+ of 256.*; exit -9: phase ", killed[0]), (
-        killed
+    pattern = (
+        r"stopped +dodgeball__ppg__4: step \d+ of 256.*; killed by SIGKILL \(exit -9\) at step \d+: rerun the sweep"
     )
-    assert "4 runs: 3 done, 1 failed" in lines
+    assert len(killed) == 1 and re.match(pattern, killed[0]), killed
+    assert "4 runs: 3 done, 1 stopped" in lines
 
 
 def test_the_runs_unbroken_end_right(slurm_runs):

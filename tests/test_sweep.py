@@ -2,6 +2,7 @@
 sbatch replaced by a recording stand-in, on SLURM. Each run's folder decides what a start does: done, resume, start."""
 
 import contextlib
+import errno
 import functools
 import importlib.util
 import fcntl
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -432,9 +434,8 @@ def test_a_sweep_signalled_stopped_and_killed_resumes_each_time(tmp_path):
     assert proc.returncode == 143 and "run the same command to resume" in out and "Traceback" not in err, err
     assert not processes_in(tmp_path)  # the sweep waited for its run to stop
     assert starts_and_ends(folder)[-1] and (folder / "train.log").read_text().rstrip().endswith(
-        "to resume it, run the sweep again: "
-        + shlex.join(["python", "tools/sweep.py", "--root", str(tmp_path), *argv])
-        + f" (in {ROOT})"
+        f"to resume it, run the sweep again: cd {shlex.quote(os.getcwd())} && "
+        + shlex.join([sys.executable, str(ROOT / "tools" / "sweep.py"), "--root", str(tmp_path), *argv])
     )
     assert final_step(folder) < 640
     at = argv.index("--")  # --status as a sweep's flag, before --; or with --name alone
@@ -624,8 +625,9 @@ def test_a_failed_job_is_one_line_and_the_queue_goes_on(tmp_path, capsys, monkey
 def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path, capsys, monkeypatch):
     """--status, without a scheduler: the shared grid's runs are done (and nothing is written); from a run's train.log
     and the job written down for it, a run is failed (its last start's exit and last line, and the env step it
-    reached), running (a local job whose process lives; a SLURM job that squeue lists as running), queued (a SLURM job
-    waiting, with its reason), unknown (a SLURM job where no squeue answers), not started, or to resume (a budget raised
+    reached), stopped (a stop, before the script's handler too; killed, by kill -9 or with no exit logged: what
+    resumes it), running (a job holds its lock, whatever a start refused since wrote down; a local job whose process
+    lives; a SLURM job that squeue lists as running), queued (a SLURM job waiting, with its reason), unknown (a SLURM job where no squeue answers), not started, or to resume (a budget raised
     after its last start ended well). tests/test_slurm.py reads it off a real scheduler."""
     tool = load_sweep()
     before = {p: p.stat().st_mtime for p in sweep_grid.folder.rglob("*") if p.is_file()}
@@ -640,7 +642,18 @@ def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path,
     log = f"\n# start 1.0\n$ python ppg_procgen.py\n{progress}\nerror: non-finite loss\n"
     cases = [  # (train.log, the job written down, what squeue says, what --status says)
         (log + "# end 2.0 exit 1\n", None, None, ("failed", "step 64 of 192", "; exit 1: error: non-finite loss")),
-        (log, None, None, ("failed", "step 64 of 192", "; killed (no exit logged): error: non-finite loss")),
+        (
+            log,
+            None,
+            None,
+            ("stopped", "step 64 of 192", "; killed (no exit logged) at step 64: rerun the sweep to start it afresh"),
+        ),
+        (  # SIGTERM before the script's handler (its first seconds): a stop all the same
+            log + "# end 2.0 exit -15\n",
+            None,
+            None,
+            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGTERM: rerun the sweep to start it afresh"),
+        ),
         (log, f"local {os.getpid()}", None, ("running", "step 64 of 192", f"; local job {os.getpid()}")),
         (log, "slurm 9_1", {"9_1": ("RUNNING", "None")}, ("running", "step 64 of 192", "; job 9_1 RUNNING")),
         (
@@ -653,13 +666,13 @@ def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path,
             log + "stopped by SIGTERM; resume with: python ppg_procgen.py --resume /x\n# end 2.0 exit 143\n",
             "slurm 9_1",
             {},
-            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGTERM: rerun the sweep to resume"),
+            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGTERM: rerun the sweep to start it afresh"),
         ),
         (
             log + "# end 2.0 exit 130\n# stopped by SIGINT, a run of a sweep: to resume it, run the sweep again\n",
             f"local {2**22 + 1}",  # past Linux's largest pid: its process has ended
             None,
-            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGINT: rerun the sweep to resume"),
+            ("stopped", "step 64 of 192", "; stopped at step 64 by SIGINT: rerun the sweep to start it afresh"),
         ),
         (
             log,
@@ -683,6 +696,29 @@ def test_status_says_where_each_run_stands_from_its_folder(sweep_grid, tmp_path,
         assert tool.run_status(folder, 192, squeue) == expected, i
     done = sweep_grid.folder / "dodgeball__ppg__1"  # its checkpoint at 192, the budget raised to 256
     assert tool.run_status(done, 256, None) == ("to resume", "step 192 of 256", "")
+    # a lost machine: the sweep and the training process killed (kill -9) after a checkpoint; the job lived to log it
+    killed = tmp_path / "killed"
+    shutil.copytree(done, killed)
+    with open(killed / "train.log", "a") as written:
+        written.write(
+            f"\n# start 3.0\n$ python ppg_procgen.py --resume x\n{progress.replace('64', '256')}\n# end 4.0 exit -9\n"
+        )
+    resume = "rerun the sweep to resume from step 192"
+    expected = (
+        "stopped",
+        "step 256 of 320 (checkpoint at 192)",
+        f"; killed by SIGKILL (exit -9) at step 256: {resume}",
+    )
+    assert tool.run_status(killed, 320, None) == expected
+    # a run that a job holds (its JOB_LOCK) runs, whatever a later start, refused, wrote down: here a job id of a
+    # process that has ended, and a log without its end
+    with open(killed / "job.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        (killed / "job_id").write_text(f"local {2**22 + 1}\n")
+        (killed / "train.log").write_text(log)
+        assert tool.run_status(killed, 320, None) == ("running", "step 192 of 320", "; trained by process 4242")
     # --name NAME --status alone: every run of the sweep, from its folder, as recorded at its submission
     tool.main(["--root", str(sweep_grid.root), "--name", "grid", "--status"])
     assert capsys.readouterr().out.splitlines() == lines
@@ -710,18 +746,21 @@ while True:
     time.sleep(0.1)
 """
 
-# The local queue of 3 runs, 2 at once, in a process of its own (as tools/sweep.py runs it), on the stand-in script
+# The local queue of 3 runs (or as many as a fourth argument says), 2 at once, in a process of its own (as
+# tools/sweep.py runs it), on the stand-in script
 LOCAL_QUEUE = """
 import importlib.util, sys, types, submitit
 spec = importlib.util.spec_from_file_location("sweep_tool", sys.argv[1])
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
-root, script = sys.argv[2], sys.argv[3]
+root, script, runs = sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 3
 opts = types.SimpleNamespace(gpus=0, jobs=2, threads=1, cluster="local", command="python tools/sweep.py ...", cwd=root)
 executor = submitit.LocalExecutor(root + "/.submitit")
 executor.update_parameters(timeout_min=60)
-sys.exit(tool.run_local(opts, script, [(tool.pathlib.Path(root, f"run{i}"), [], 1) for i in range(3)], executor))
+sys.exit(tool.run_local(opts, script, [(tool.pathlib.Path(root, f"run{i}"), [], 1) for i in range(runs)], executor))
 """
+# The stop's note in a run's train.log, the queue's command after it as the sweep writes it: from any folder
+QUEUE_NOTE = "a run of a sweep: to resume it, run the sweep again: cd {root} && python tools/sweep.py ..."
 
 
 def processes_in(folder: pathlib.Path) -> list:
@@ -734,12 +773,14 @@ def processes_in(folder: pathlib.Path) -> list:
     return found
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "SIGHUP"])
 def test_a_stopped_sweep_passes_the_signal_to_its_runs_and_waits_for_them(tmp_path, how):
-    """SIGTERM to the sweep's process alone (`kill -TERM`), or SIGINT to its whole process group (a terminal's Ctrl-C):
-    each running training process gets the signal once, stops as the scripts stop (128 + the signal, logged in its
-    train.log), the queue starts no other run, and the sweep exits with 128 + the signal once no training process is
-    left. (A stand-in script: the real scripts' stop and resume are test_a_sweep_signalled_stopped_and_killed_...'s.)"""
+    """SIGTERM to the sweep's process alone (`kill -TERM`), SIGINT to its whole process group (a terminal's Ctrl-C), or
+    SIGHUP to its whole process group (a terminal closed, which reaches submitit's controller and job process too):
+    each running training process gets the signal once (SIGHUP as SIGTERM, which the scripts stop on), stops as the
+    scripts stop (128 + the signal, logged in its train.log with the sweep's command that resumes it), the queue starts
+    no other run, and the sweep exits with 128 + the signal it got once no training process is left. (A stand-in
+    script: the real scripts' stop and resume are test_a_sweep_signalled_stopped_and_killed_...'s.)"""
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     # its output to a file, not a pipe, which a job left running would hold open: the test waits for the sweep alone
@@ -752,7 +793,8 @@ def test_a_stopped_sweep_passes_the_signal_to_its_runs_and_waits_for_them(tmp_pa
     while not all((tmp_path / f"run{i}" / "started").exists() for i in (0, 1)):
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "printed").read_text()
         time.sleep(0.1)
-    signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    signum = dict(SIGTERM=signal.SIGTERM, SIGHUP=signal.SIGHUP).get(how, signal.SIGINT)
+    passed = signal.SIGINT if how == "Ctrl-C" else signal.SIGTERM  # what the runs get
     if how == "SIGTERM":
         os.kill(proc.pid, signum)
     else:
@@ -765,11 +807,194 @@ def test_a_stopped_sweep_passes_the_signal_to_its_runs_and_waits_for_them(tmp_pa
     assert f"stopped by {signum.name}: 2 jobs stopped; run the same command to resume" in out, out
     for i in (0, 1):
         run = tmp_path / f"run{i}"
-        assert (run / "signals").read_text() == f"{signum.name}\n", i  # once: not from the terminal and the sweep
+        assert (run / "signals").read_text() == f"{passed.name}\n", i  # once: not from the terminal and the sweep
         log = (run / "train.log").read_text()
-        assert re.search(rf"^# end [\d.]+ exit {128 + signum}$", log, re.M), log
-        assert f"# stopped by {signum.name}, a run of a sweep: to resume it, run the sweep again: python" in log
+        assert re.search(rf"^# end [\d.]+ exit {128 + passed}$", log, re.M), log
+        assert log.endswith(f"# stopped by {passed.name}, {QUEUE_NOTE.format(root=tmp_path)}\n"), log
     assert not (tmp_path / "run2").exists()  # the queue's third run never started
+
+
+def left_of_queues(root: pathlib.Path) -> list:
+    """The pids of the processes that local queues under root left: the queues themselves, submitit's controllers and
+    job processes (each names root in its command line) and the training processes (whose working directory lies in
+    root)."""
+    found = set(processes_in(root))
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if (
+                str(root) in cmdline.read_bytes().replace(b"\0", b" ").decode()
+                and int(cmdline.parent.name) != os.getpid()
+            ):
+                found.add(int(cmdline.parent.name))
+    return sorted(found)
+
+
+def wait_until_gone(root: pathlib.Path, seconds: float) -> list:
+    """Wait until no process of the queues under root is left, at most `seconds`: what is left then."""
+    deadline = time.time() + seconds
+    while (left := left_of_queues(root)) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_a_sweep_started_twice_trains_once_and_a_kill_of_it_alone_stops_its_run(tmp_path):
+    """The same sweep of one run started twice, 0.3 s apart, each submitting its job before the other's has started
+    the run: one training process (the job that runs a run holds the run folder's lock from its first moment, its
+    training process with it; the script's own lock comes seconds after its start, here never); the other's job starts
+    nothing and its sweep ends; --status says the run is running, whatever the refused one wrote down. Then kill -9 of
+    the training sweep's process alone, not its group (its controller and job process live on): its job stops the run
+    with SIGTERM, as the sweep's own stop would, and logs the end and the sweep's command that resumes it; --status
+    says stopped, and no process of either sweep is left. (A stand-in script, which runs until a signal stops it.)"""
+    tool = load_sweep()
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    command = [sys.executable, "-c", LOCAL_QUEUE, str(ROOT / "tools" / "sweep.py"), str(tmp_path), str(script), "1"]
+    run, sweeps = tmp_path / "run0", []
+    try:
+        for i in (0, 1):
+            printed = open(tmp_path / f"printed{i}", "w+")
+            sweeps.append(subprocess.Popen(command, stdout=printed, stderr=subprocess.STDOUT, start_new_session=True))
+            time.sleep(0.3)
+        deadline = time.time() + PATIENCE_S  # a hang guard only: the sweeps start at the machine's speed
+        while not (run / "started").exists():
+            assert time.time() < deadline and all(p.poll() is None for p in sweeps)
+            time.sleep(0.1)
+        deadline = time.time() + 60  # the refused sweep ends within seconds of its job's start; without the lock, never
+        while all(p.poll() is None for p in sweeps) and time.time() < deadline:
+            time.sleep(0.1)
+        ended = [i for i, p in enumerate(sweeps) if p.poll() is not None]
+        assert len(ended) == 1, "both sweeps train the run"
+        refused, kept = sweeps[ended[0]], sweeps[1 - ended[0]]
+        out = (tmp_path / f"printed{ended[0]}").read_text()
+        assert refused.returncode == 0 and re.search(
+            r"^run0: being trained by process \d+; not started again$", out, re.M
+        )
+        assert len(processes_in(run)) == 1 and (run / "train.log").read_text().count("# start ") == 1
+        status = tool.run_status(run, 1, None)
+        assert status[0] == "running" and status[2].startswith("; trained by process "), status
+        os.kill(kept.pid, signal.SIGKILL)  # the sweep's process alone
+        kept.wait(timeout=PATIENCE_S)
+        left = wait_until_gone(tmp_path, 60)
+        assert not left, f"processes left after the sweep's kill -9: {left}"
+    finally:
+        for pid in left_of_queues(tmp_path):  # nothing left running by a failed test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert (run / "signals").read_text() == "SIGTERM\n"
+    log = (run / "train.log").read_text()
+    assert re.search(r"^# end [\d.]+ exit 143$", log, re.M), log
+    assert log.endswith(f"# stopped by SIGTERM, {QUEUE_NOTE.format(root=tmp_path)}\n"), log
+    stopped = "; stopped at step 0 by SIGTERM: rerun the sweep to start it afresh"
+    assert tool.run_status(run, 1, None) == ("stopped", "step 0 of 1", stopped)
+
+
+def test_a_stop_in_the_first_seconds_and_on_slurm_say_what_resumes_the_run(tmp_path, monkeypatch):
+    """What a job writes after its script stopped on a signal. A SIGTERM before the script has set its handler (its
+    first seconds: exit -15) is a stop like any other, with the sweep's command, and --status says stopped. On SLURM,
+    SIGTERM comes from `scontrol requeue` or a preemption (SLURM requeues the job, which resumes the run by itself) or
+    from scancel (nothing does): the line says both. A stop for submitit's requeue (checkpoint(), on the time limit's
+    warning signal) says that the requeued job resumes the run, not to run the sweep again."""
+    tool = load_sweep()
+    record = dict(command=shlex.join([sys.executable, "/x/tools/sweep.py", "--name", "n"]), cwd="/a folder")
+    hint = f"cd '/a folder' && {record['command']}"
+    early = tmp_path / "early.py"
+    early.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(STAND_IN)
+
+    def stopped_log(name: str, script: pathlib.Path, run=None) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "sweep.json").write_text(json.dumps(record))
+        with pytest.raises(RuntimeError, match="the script exited with (-15|143)"):
+            (run or tool.TrainRun())(str(script), str(folder), [], 1, 1)
+        return (folder / "train.log").read_text()
+
+    log = stopped_log("early", early)
+    assert log.endswith(
+        f"exit -15\n# stopped by SIGTERM, a run of a sweep: to resume it, run the sweep again: {hint}\n"
+    )
+    stopped = "; stopped at step 0 by SIGTERM: rerun the sweep to start it afresh"
+    assert tool.run_status(tmp_path / "early", 1, None) == ("stopped", "step 0 of 1", stopped)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # as submitit's job script on SLURM sets it, in a job of SLURM's
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    log = stopped_log("slurm", early)
+    assert log.endswith(
+        "# stopped by SIGTERM, a run of a sweep on SLURM: where SLURM requeued its job (scontrol requeue, a "
+        f"preemption) the job resumes it by itself (--status says queued); where it did not (scancel), run the sweep "
+        f"again: {hint}\n"
+    ), log
+    run = tool.TrainRun()
+
+    def requeue():  # submitit's handler of the time limit's signal, once the run has started
+        while not (tmp_path / "requeued" / "started").exists():
+            time.sleep(0.05)
+        run.checkpoint(str(stand_in), str(tmp_path / "requeued"), [], 1, 1)
+
+    thread = threading.Thread(target=requeue)
+    thread.start()
+    log = stopped_log("requeued", stand_in, run)
+    thread.join()
+    assert log.endswith(
+        "exit 143\n# stopped by SIGTERM for a requeue of its job: the requeued job resumes it by itself\n"
+    )
+    assert (tmp_path / "requeued" / "job_id").read_text() == "slurm 77\n"  # the job that ran it, written by itself
+
+
+def test_locks_work_on_nfs_and_a_filesystem_without_them_stops_in_one_line(tmp_path, monkeypatch):
+    """NFS grants flock only on a file open for writing: the sweep opens every lock it takes or tests for reading and
+    writing, so a run that the script trains by hand is seen. The lock files it creates have mode 0644, whatever the
+    umask. A filesystem that refuses locks (ENOSYS: Lustre without -o flock) stops the sweep, or a job, in one line."""
+    tool = load_sweep()
+    run = tmp_path / "run" / "runs" / "dodgeball__ppg__1__1000"
+    run.mkdir(parents=True)
+    held = open(run / "lock", "w")  # the script's lock, held as the script holds it
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held.write("4242")
+    held.flush()
+    flock = fcntl.flock
+
+    def nfs_flock(fd, how):  # as on NFS: a file open for reading alone gets no lock
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        flock(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    assert tool.trained_by_hand(tmp_path / "run") == "4242"
+    umask = os.umask(0)
+    try:
+        lock = tool.take_job_lock(tmp_path / "run")
+    finally:
+        os.umask(umask)
+    assert lock is not None and (tmp_path / "run" / "job.lock").stat().st_mode & 0o777 == 0o644
+    assert tool.holder(tmp_path / "run" / "job.lock") == str(os.getpid())
+    os.close(lock)
+    held.close()
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = tmp_path / "run" / "job.lock"
+    with pytest.raises(RuntimeError) as refused:
+        tool.take_job_lock(tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        tool.holder(path)
+    line = f"error: {path}: its filesystem refuses file locks (Function not implemented), which keep a run to one"
+    for message in (str(refused.value), str(stopped.value.code)):
+        assert message.startswith(line) and "\n" not in message, message
+
+
+def test_the_sweeps_hints_name_its_interpreter_and_work_from_any_folder(tmp_path, monkeypatch):
+    """The command that resumes a sweep's runs (train.log's note, --status's last line) is the folder it was typed in,
+    then the interpreter that ran it and the sweep's whole path: `python tools/sweep.py` from another folder, or with
+    another python on PATH, fails."""
+    tool = load_sweep()
+    monkeypatch.chdir(tmp_path)
+    argv = ["--name", "x", "--games", "dodgeball", "--", "--n-pi", "2"]
+    opts, _ = tool.read_command(argv)
+    hint = tool.resume_hint(dict(command=opts.command, cwd=opts.cwd))
+    assert shlex.split(hint) == ["cd", str(tmp_path), "&&", sys.executable, str(ROOT / "tools" / "sweep.py"), *argv]
 
 
 def test_no_flag_of_the_sweep_is_a_flag_of_a_script():

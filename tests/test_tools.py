@@ -12,19 +12,27 @@ from conftest import PATIENCE_S, ROOT
 
 
 def test_summarise_run_reads_returns_at_steps(tmp_path):
+    """A resumed run's log (its stopped start logged past its checkpoint, which the resume's purge marker drops) is
+    read as resumed, without TensorBoard's "Detected out of order event.step" warning, which told a reader nothing."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path))
-    for i in range(300):  # returns 0, 1, ..., 299 at steps 1000, 2000, ...
+    for i in range(160):  # a first start, which logged past its last checkpoint (step 100,000) before its stop
+        writer.add_scalar("charts/episodic_return", -1.0 if i >= 100 else float(i), (i + 1) * 1000)
+    writer.close()
+    writer = SummaryWriter(str(tmp_path), purge_step=100_001)  # the resume
+    for i in range(100, 300):  # returns 0, 1, ..., 299 at steps 1000, 2000, ...
         writer.add_scalar("charts/episodic_return", float(i), (i + 1) * 1000)
     writer.add_scalar("charts/SPS", 123.0, 300_000)
     writer.close()
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "summarise_run.py"), str(tmp_path), "--at", "150000", "400000"],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout
+    )
+    out = done.stdout
+    assert "out of order" not in done.stderr and "Purging" not in done.stderr, done.stderr
     # the 100 episodes up to step 150,000 have returns 50..149: mean 99.5
     assert "150,000 steps: mean return   99.50 over the last 100 episodes" in out
     assert "400,000 steps: not reached" in out

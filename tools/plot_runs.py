@@ -9,12 +9,18 @@ steps all of them reached) bold. A label of one run is drawn bold alone.
 """
 
 import argparse
+import logging
 import os
 import pathlib
 import sys
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+# A resumed run's event files hold what its stopped start logged past its checkpoint, which the resume's purge marker
+# drops, as it should: TensorBoard warns of it ("Detected out of order event.step") at every read, telling a reader
+# nothing
+logging.getLogger("tensorboard").setLevel(logging.ERROR)
 
 try:
     import matplotlib

@@ -19,6 +19,7 @@ aggregate_table, ranking, early_rows_notes, comparison (--compare), 3. our_curve
 
 import argparse
 import glob
+import logging
 import math
 import os
 import pathlib
@@ -28,6 +29,11 @@ import types
 import numpy as np
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+# A resumed run's event files hold what its stopped start logged past its checkpoint, which the resume's purge marker
+# drops, as it should: TensorBoard warns of it ("Detected out of order event.step") at every read, telling a reader
+# nothing
+logging.getLogger("tensorboard").setLevel(logging.ERROR)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from experiments import EXPERIMENTS  # noqa: E402

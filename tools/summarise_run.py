@@ -6,12 +6,18 @@ python tools/summarise_run.py runs/paper/bigfish__ppg__1      # a run of tools/s
 
 import argparse
 import glob
+import logging
 import os
 import pathlib
 import sys
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+# A resumed run's event files hold what its stopped start logged past its checkpoint, which the resume's purge marker
+# drops, as it should: TensorBoard warns of it ("Detected out of order event.step") at every read, telling a reader
+# nothing
+logging.getLogger("tensorboard").setLevel(logging.ERROR)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the tools' own modules
 from helptext import DefaultsHelpFormatter  # noqa: E402

@@ -23,8 +23,8 @@ folder: a run whose checkpoint reached the planned steps is done and starts noth
 from it (`--resume` with the same flags); a folder without one is emptied and the run starts afresh. So the same
 command, run again, finishes what was stopped and leaves what is done. Where a folder has a checkpoint, done or not, the
 command must describe that run: the budget may rise, but a training flag that differs from the checkpoint's, given or
-left at its default, stops the sweep in one line. Do not run the command again while its jobs still run (--status
-says which do): it would start each unfinished run a second time.
+left at its default, stops the sweep in one line. Run again while its jobs still run, it starts no run twice: a job
+holds a lock in its run's folder (JOB_LOCK) from its first moment, and a run whose lock is held is left out.
 
 --cluster slurm submits every job as one job array and returns; a job that reaches its time limit, or that the cluster
 preempts (with its warning signal, or with SIGTERM as `scontrol requeue` does), is requeued and resumes from its last
@@ -81,7 +81,12 @@ JOB_FILE = "job_id"  # in a run's folder: "<cluster> <job id>" of the job last s
 # with), written at each submission and read back by the next: --status needs no command to read it, and a resume keeps
 # the run's thread count
 RECORD_FILE = "sweep.json"
-STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a local sweep, passed on to its runs
+STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals the scripts stop on, keeping their last checkpoint
+# The signals that stop a local sweep: each is passed on to its runs, SIGHUP (a closed terminal) as SIGTERM
+SWEEP_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# In a run's folder: the lock a job holds while it runs the run, and its training process with it (one process a run,
+# from the job's first moment: the script takes its own lock seconds after its start)
+JOB_LOCK = "job.lock"
 PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): a signal the kernel sends a process when its parent ends
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED")  # SLURM's states of a job not running now
 
@@ -159,8 +164,9 @@ def read_command(argv: list):
                 f"error: {token.split('=')[0]} after --: a flag of tools/sweep.py, not of the script: put it before --"
             )
     opts = make_parser().parse_args(argv)
-    # the command as typed, from where it was typed: the hint --status gives to resume a stopped run
-    typed = ["python", os.path.relpath(__file__), *argv]
+    # the command as typed, with the interpreter that runs it and this file's whole path, and the folder it was typed
+    # in: the hints that resume a stopped run (resume_hint) work from any folder
+    typed = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv]
     if common:
         typed += ["--", *common]
     opts.command, opts.cwd = shlex.join(typed), os.getcwd()
@@ -389,16 +395,98 @@ def job_command(script: str, folder: pathlib.Path, flags: list, total: int):
     return [sys.executable, script, "--resume", str(run), *flags]
 
 
-def trained_by(folder: pathlib.Path):
-    """The pid of a live process that trains a run in this folder (the script's lock on runs/<run>/lock is held), or
-    None. Taking the lock for a moment tells: the kernel holds it for the script's process alone, until that ends."""
+def lock_refused(path, error: OSError) -> str:
+    """One line for a lock that the filesystem refuses (flock raising anything but "held by another")."""
+    return (
+        f"error: {path}: its filesystem refuses file locks ({error.strerror or error}), which keep a run to one "
+        "process: on Lustre mount it with -o flock, on NFS run its lock service (lockd), or give --root a folder on a "
+        "local disk"
+    )
+
+
+def holder(path: pathlib.Path):
+    """The pid written in a lock file that a live process holds, or None where none holds it (or it does not exist).
+    Taking the lock shared for a moment tells, and changes nothing: a job taking it retries (take_job_lock). Opened for
+    reading and writing: NFS grants flock only so. Exits with one line where the filesystem refuses locks."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as the file closes
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode().strip() or "?"
+    except OSError as e:
+        sys.exit(lock_refused(path, e))
+    finally:
+        os.close(fd)
+
+
+def trained_by_hand(folder: pathlib.Path):
+    """The pid of a live process that trains a run in this folder outside the sweep (the script started by hand, which
+    holds its run's runs/<run>/lock), or None. The kernel holds a lock for its process alone, until that ends (kill -9
+    too). The sweep's own jobs hold the folder's JOB_LOCK (take_job_lock)."""
     for lock in folder.glob("runs/*/lock"):
-        with open(lock) as held:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released as the file closes
-            except BlockingIOError:
-                return held.read().strip()
+        if pid := holder(lock):
+            return pid
     return None
+
+
+def take_job_lock(folder: pathlib.Path):
+    """The folder's JOB_LOCK, taken for this job (an open file descriptor, with this process's pid in it), or None
+    where another process holds it. A check of the lock (holder: --status, another sweep) holds it for a moment, so a
+    refusal is tried again within a second before it stands. Created with mode 0644; a filesystem that refuses locks
+    ends the job with one line."""
+    path = folder / JOB_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    for attempt in range(5):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            time.sleep(0.2)
+            continue
+        except OSError as e:
+            os.close(fd)
+            raise RuntimeError(lock_refused(path, e)) from None
+        write_holder(fd, os.getpid())
+        return fd
+    os.close(fd)
+    return None
+
+
+def write_holder(fd: int, pid: int) -> None:
+    """Write the pid of the process that trains the run into its held JOB_LOCK."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{pid}\n".encode(), 0)
+
+
+def process_start(pid: int):
+    """When a process started (its start time in /proc, in clock ticks since boot), or None where it has ended: a pid
+    with its start time names one process, never a later one given the same pid."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def living(pid: int) -> bool:
+    """Whether a process lives: it exists and has not ended (a process that ended stays in /proc, a zombie, until its
+    parent reaps it, and a local job's controller whose sweep was killed may have a parent that never does)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def job_environment():
+    """(cluster, job id) of the submitit job this process runs, as the sweep writes them down (JOB_FILE), or None
+    outside a job (a test that calls TrainRun itself)."""
+    try:
+        env = submitit.JobEnvironment()
+        return env.cluster, env.job_id
+    except RuntimeError:
+        return None
 
 
 def read_record(folder: pathlib.Path) -> dict:
@@ -423,20 +511,54 @@ def record_run(folder: pathlib.Path, opts, script: str, total: int, threads: int
     (folder / RECORD_FILE).write_text(json.dumps(record) + "\n")
 
 
+def signal_name(number: int) -> str:
+    """SIGKILL for 9; the number itself where no signal has it."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def stop_signal_name(code) -> str:
-    """SIGTERM or SIGINT where a script's exit code (as logged: text) is a stop's (128 + the signal), else ''."""
+    """SIGTERM or SIGINT where a script's exit code (as logged: text) is a stop's, else '': 128 + the signal where the
+    script's handler stopped it, minus the signal where it came before the script had set its handler (its first
+    seconds). Either way the run's last checkpoint, if any, is whole: the script writes one only at a phase's end."""
     names = {str(128 + s): signal.Signals(s).name for s in STOPS}
+    names.update({str(-s): signal.Signals(s).name for s in STOPS})
     return names.get(str(code), "")
+
+
+def resume_hint(record: dict) -> str:
+    """The command that resumes a sweep's runs, from any folder: the folder it was typed in, then the command as
+    recorded (the interpreter that ran it and the sweep's whole path)."""
+    return f"cd {shlex.quote(record['cwd'])} && {record['command']}"
+
+
+def stop_note(stopped: str, folder: pathlib.Path, requeued: bool) -> str:
+    """The line a job writes into train.log after its script stopped on a signal, saying what resumes the run: the
+    script's own hint is a --resume, while a sweep's run resumes through its sweep, or through its requeued job."""
+    if requeued:  # checkpoint(): submitit requeues this very job, which resumes the run
+        return f"# stopped by {stopped} for a requeue of its job: the requeued job resumes it by itself"
+    how = resume_hint(read_record(folder))
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":  # SLURM's SIGTERM: a requeue or a preemption, or scancel
+        return (
+            f"# stopped by {stopped}, a run of a sweep on SLURM: where SLURM requeued its job (scontrol requeue, a "
+            f"preemption) the job resumes it by itself (--status says queued); where it did not (scancel), run the "
+            f"sweep again: {how}"
+        )
+    return f"# stopped by {stopped}, a run of a sweep: to resume it, run the sweep again: {how}"
 
 
 def in_the_training_process(parent: int, libc) -> None:
     """Run in the training process before it runs the script (preexec_fn). SLURM's warning signal (USR2) reaches every
     process of a job: the script ignores it and is stopped by TrainRun.checkpoint, with SIGTERM, which it handles.
-    SIGINT as at any start (the job process ignores it, which the script would inherit): a stop before the script's
-    handler ends it at once. Its parent's end sends it SIGTERM, so that it stops, keeping its last checkpoint, rather
-    than train on alone where its job is killed (a kill -9 of the sweep, a lost controller)."""
+    SIGINT and SIGHUP as at any start (the job process ignores them, which the script would inherit): a stop before
+    the script's handler ends it at once. Its parent's end sends it SIGTERM, so that it stops, keeping its last
+    checkpoint, rather than train on alone where its job is killed (a kill -9 of the job's process group, a lost
+    controller)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the job ended before prctl took hold: no signal will come
         os.kill(os.getpid(), signal.SIGTERM)
@@ -444,29 +566,54 @@ def in_the_training_process(parent: int, libc) -> None:
 
 class TrainRun(submitit.helpers.Checkpointable):
     """One run as a submitit job: each call (a first start, or a start after a requeue) does what job_command says,
-    in the run's folder. On a time limit or preemption submitit calls checkpoint(): the training process is stopped
-    (SIGTERM: it keeps its last phase checkpoint) and the same call is resubmitted, so it resumes."""
+    in the run's folder, holding the folder's JOB_LOCK from its first moment, its training process with it, so that a
+    second start of the run (a sweep started twice, within a second too) starts nothing. On a time limit or preemption
+    submitit calls checkpoint(): the training process is stopped (SIGTERM: it keeps its last phase checkpoint) and the
+    same call is resubmitted, so it resumes.
 
-    def __init__(self):
-        self.process = None
+    sweep: (pid, start time) of the local sweep that submitted the job, or None (SLURM: the sweep returns once it has
+    submitted). A local job watches it: where the sweep has ended without stopping its runs (kill -9 of its process
+    alone; the job's own process, submitit's, lives on), the job stops its training process with SIGTERM, as the
+    sweep's own stop would, and a job whose run had not started yet starts nothing."""
+
+    def __init__(self, sweep=None):
+        self.process, self.sweep, self.requeued = None, sweep, False
+
+    def sweep_ended(self) -> bool:
+        pid, start = self.sweep or (None, None)
+        return pid is not None and not (living(pid) and process_start(pid) == start)
 
     def __call__(self, script: str, folder: str, flags: list, total: int, threads: int) -> str:
         folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = take_job_lock(folder)
+        if lock is None:  # a sweep started twice, or a requeue while the previous process lives: it trains on alone
+            return f"{folder.name}: being trained by process {holder(folder / JOB_LOCK)}; not started again"
+        try:
+            return self.train(script, folder, flags, total, threads, lock)
+        finally:
+            os.close(lock)  # the training process has ended: the lock is free
+
+    def train(self, script: str, folder: pathlib.Path, flags: list, total: int, threads: int, lock: int) -> str:
+        if job := job_environment():  # the job that runs the run, written down by the job itself: --status reads it
+            record_job(folder, *job)
+        if self.sweep_ended():
+            return f"{folder.name}: its sweep has ended; not started"
         command = job_command(script, folder, flags, total)
         if command is None:
             return f"{folder.name}: done before this start"
-        pid = trained_by(folder)
-        if pid:  # a sweep started twice, or a requeue while the previous process lives: it trains on alone
+        pid = trained_by_hand(folder)
+        if pid:  # the script started by hand (--resume) in the sweep's folder: it trains on alone
             return f"{folder.name}: being trained by process {pid}; not started again"
         if "--resume" not in command and (folder / "runs").exists():
             shutil.rmtree(folder / "runs")  # a start without a checkpoint: nothing of it is kept
-        folder.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         with open(folder / "train.log", "a") as log:  # each start: its command, its output, when it ran
             log.write(f"\n# start {time.time():.3f} threads {threads}\n$ {shlex.join(command)}\n")
             log.flush()
-            # A process group of its own (setsid): a terminal's Ctrl-C reaches the sweep alone, which passes it on once (a second signal
-            # would stop the script within its stop)
+            # A process group of its own (setsid): a terminal's Ctrl-C reaches the sweep alone, which passes it on
+            # once (a second signal would stop the script within its stop). The job's lock goes with it (pass_fds):
+            # held until both have ended
             self.process = subprocess.Popen(
                 command,
                 cwd=folder,
@@ -474,11 +621,17 @@ class TrainRun(submitit.helpers.Checkpointable):
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                pass_fds=(lock,),
                 # libc loaded here, not between fork and exec, nor kept on the module, which submitit pickles
                 preexec_fn=functools.partial(in_the_training_process, os.getpid(), ctypes.CDLL(None)),
             )
+            write_holder(lock, self.process.pid)
             try:
+                stopping = False
                 while self.process.poll() is None:  # polled, not wait(): the signal handler may stop it meanwhile
+                    if not stopping and self.sweep_ended():  # killed alone: stop as its stop would have
+                        self.process.send_signal(signal.SIGTERM)
+                        stopping = True
                     time.sleep(0.2)
             finally:  # also where a signal ends this start from within the loop: submitit's handler, to requeue it
                 # (its checkpoint() has stopped the script)
@@ -487,19 +640,19 @@ class TrainRun(submitit.helpers.Checkpointable):
                 if self.process.returncode is not None:
                     log.write(f"# end {time.time():.3f} exit {self.process.returncode}\n")
                 stopped = stop_signal_name(self.process.returncode)
-                if stopped and read_record(folder):  # the script's own hint is a --resume: a sweep's run resumes so
-                    how = f"{read_record(folder)['command']} (in {read_record(folder)['cwd']})"
-                    log.write(f"# stopped by {stopped}, a run of a sweep: to resume it, run the sweep again: {how}\n")
+                if stopped and read_record(folder):
+                    log.write(stop_note(stopped, folder, self.requeued) + "\n")
         if self.process.returncode:
             raise RuntimeError(f"{folder.name}: the script exited with {self.process.returncode} (see its train.log)")
         return f"{folder.name}: trained to step {total:,}"  # the script exits with 0 only at its planned step
 
     def checkpoint(self, *args, **kwargs):
+        self.requeued = True  # the stop's note says so: submitit requeues the job, no need to run the sweep again
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # the script stops at once; its last checkpoint stays
             while self.process.poll() is None:
                 time.sleep(0.1)
-        return submitit.helpers.DelayedSubmission(TrainRun(), *args, **kwargs)
+        return submitit.helpers.DelayedSubmission(TrainRun(self.sweep), *args, **kwargs)
 
 
 # ---- 3. --status: where each run stands, from its folder and its scheduler, submitting nothing ----
@@ -533,7 +686,7 @@ def job_state(folder: pathlib.Path, slurm):
         return None
     cluster, job_id = (folder / JOB_FILE).read_text().split()
     if cluster == "local":
-        return ("running", f"local job {job_id}") if pathlib.Path(f"/proc/{job_id}").exists() else None
+        return ("running", f"local job {job_id}") if living(int(job_id)) else None
     if slurm is None:
         return "unknown", f"job {job_id}: no squeue answers here, for SLURM's state"
     if job_id not in slurm:
@@ -558,18 +711,24 @@ def last_start(folder: pathlib.Path):
 
 def run_status(folder: pathlib.Path, total, slurm):
     """(what the run is, the env step it reached, what more to say): done, running or queued (its scheduler's state),
-    stopped (by SIGTERM or Ctrl-C: its last start ended with 128 + the signal), failed (the last line its script wrote),
-    not started, to resume (its last start ended well, before a budget raised since); or unknown where a SLURM job was
-    submitted for it and no squeue answers here. The step: its last start's last progress line, or its checkpoint's step
+    stopped (by SIGTERM or Ctrl-C: its last start ended with 128 + the signal, or minus it in the script's first seconds;
+    or killed by another signal, or with no exit logged (its job killed too): its checkpoint is whole either way),
+    failed (the script's own error exit, with the last line it wrote), not started, to resume (its last start ended
+    well, before a budget raised since); or unknown where a SLURM job was submitted for it and no squeue answers here.
+    Running first: while a job holds the run's JOB_LOCK, it runs, whatever a later start refused wrote down. The step: its last start's last progress line, or its checkpoint's step
     where that is later. total: the planned steps, or None where no plan was recorded."""
     _, state = last_checkpoint(folder)
     saved, start, job = (state["global_step"] if state else 0), last_start(folder), job_state(folder, slurm)
+    pid = holder(folder / JOB_LOCK)
     reached = max(saved, start[0] if start else 0)
     step = f"step {reached:,} of {total:,}" if total is not None else f"step {reached:,} (no plan recorded)"
     if saved not in (0, reached):
         step += f" (checkpoint at {saved:,})"
     if total is not None and saved >= total:
         return "done", step, ""
+    if pid is not None:  # a job holds the run: whatever a later, refused start wrote down, it runs
+        where = f"; {job[1]}" if job is not None and job[0] == "running" else ""
+        return "running", step, f"; trained by process {pid}{where}"
     if job is not None:
         last = f"; its log's last line: {start[1]}" if job[0] == "unknown" and start else ""
         return job[0], step, f"; {job[1]}{last}"
@@ -578,14 +737,13 @@ def run_status(folder: pathlib.Path, total, slurm):
         return "not started", step, " (submitted; no start logged: see the sweep's .submitit/ logs)" * submitted
     if start[2] == "0":  # it ended well short of these steps: the budget was raised since
         return "to resume", step, ""
+    resume = f"rerun the sweep to resume from step {saved:,}" if saved else "rerun the sweep to start it afresh"
     if stop_signal_name(start[2]):  # stopped, its last checkpoint kept: not a failure
-        return (
-            "stopped",
-            step,
-            f"; stopped at step {reached:,} by {stop_signal_name(start[2])}: rerun the sweep to resume",
-        )
-    how = f"exit {start[2]}" if start[2] is not None else "killed (no exit logged)"
-    return "failed", step, f"; {how}: {start[1]}"
+        return "stopped", step, f"; stopped at step {reached:,} by {stop_signal_name(start[2])}: {resume}"
+    if start[2] is None or start[2].startswith("-"):  # killed (kill -9, a lost machine): its last checkpoint is whole
+        how = f"by {signal_name(-int(start[2]))} (exit {start[2]})" if start[2] else "(no exit logged)"
+        return "stopped", step, f"; killed {how} at step {reached:,}: {resume}"
+    return "failed", step, f"; exit {start[2]}: {start[1]}"
 
 
 def print_status(opts, jobs: list) -> None:
@@ -600,8 +758,7 @@ def print_status(opts, jobs: list) -> None:
             resume[record["command"]] = record["cwd"]
     print(f"{len(jobs)} runs: " + ", ".join(f"{n} {status}" for status, n in counts.items()), flush=True)
     for command, cwd in resume.items():  # one line a command: experiments may share a sweep's folder
-        where = "" if pathlib.Path(cwd) == pathlib.Path.cwd() else f" (in {cwd})"
-        print(f"to resume: {command}{where}")
+        print(f"to resume: {resume_hint(dict(command=command, cwd=cwd))}")
 
 
 def recorded_jobs(opts) -> list:
@@ -680,7 +837,8 @@ def memory_lines(module, methods_args: dict, on_gpu: bool) -> list:
 
 def print_plan(opts, script: str, jobs: list, module, methods_args: dict) -> list:
     """Print each job's resources, each run's memory, what each run would do (start, resume; and, with --dry-run,
-    done) and return the runs to submit."""
+    done) and return the runs to submit: not those that a job holds now (the same sweep started before: its JOB_LOCK
+    is held), which are said to be running."""
     if opts.experiment is not None:  # what the runs are: the command's whole meaning
         variants = EXPERIMENTS[opts.experiment]["variants"]
         listed = ", ".join(f"{name} ({flags or 'the defaults'})" for name, flags in variants.items())
@@ -692,9 +850,13 @@ def print_plan(opts, script: str, jobs: list, module, methods_args: dict) -> lis
     print(resources_line(opts, gpus))
     for line in memory_lines(module, methods_args, gpus > 0):
         print(line)
-    todo, threads = [], job_threads(opts, gpus)
+    todo, threads, running = [], job_threads(opts, gpus), 0
     for folder, flags, total in jobs:
         command = job_command(script, folder, flags, total)
+        if command is not None and (pid := holder(folder / JOB_LOCK)):  # a job of this sweep, started before
+            print(f"running {folder}: being trained by process {pid}; not submitted again")
+            running += 1
+            continue
         state = "done" if command is None else "resume" if "--resume" in command else "start"
         kept = kept_threads(folder, threads)
         at_start = f" (its {kept} threads, as at its start)" if command is not None and kept != threads else ""
@@ -702,7 +864,8 @@ def print_plan(opts, script: str, jobs: list, module, methods_args: dict) -> lis
             print(f"{state:6} {folder}{at_start}: {shlex.join(command or flags)}")
         if command is not None:
             todo.append((folder, flags, total))
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} done, {len(todo)} to run", flush=True)
+    elsewhere = f", {running} running" if running else ""
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo) - running} done{elsewhere}, {len(todo)} to run", flush=True)
     return todo
 
 
@@ -730,28 +893,37 @@ def training_processes(controller: int, script: str) -> list:
     return found
 
 
+def say(line: str) -> None:
+    """Print a line of the sweep's stop: where its terminal has gone (SIGHUP), the stop goes on unsaid."""
+    with contextlib.suppress(OSError):
+        print(line, flush=True)
+
+
 def stop_jobs(running: dict, script: str, signum: int) -> int:
     """Pass a stop signal to each running job's training process, once, and wait until every job has ended: each
-    script stops as a stopped run stops (its last checkpoint kept, 128 + the signal). A job whose training process has
-    not started yet gets it once it has. Returns 128 + the signal, the sweep's exit code."""
+    script stops as a stopped run stops (its last checkpoint kept, 128 + the signal). SIGHUP (a closed terminal) is
+    passed on as SIGTERM, which the scripts stop on. A job whose training process has not started yet gets it once it
+    has. Returns 128 + the signal the sweep got, its exit code."""
     name, signalled = signal.Signals(signum).name, set()
-    print(f"\n{name}: stopping {len(running)} running jobs (each keeps its last checkpoint)", flush=True)
+    passed = signum if signum in STOPS else signal.SIGTERM
+    say(f"\n{name}: stopping {len(running)} running jobs (each keeps its last checkpoint)")
     while not all(job.done() for job, _ in running.values()):
         for job, _ in running.values():
             for pid in training_processes(int(job.job_id), script):
                 if pid not in signalled:
                     with contextlib.suppress(ProcessLookupError):  # it may have ended since
-                        os.killpg(pid, signum)  # its group, as a terminal's Ctrl-C would reach it
+                        os.killpg(pid, passed)  # its group, as a terminal's Ctrl-C would reach it
                     signalled.add(pid)
         time.sleep(POLL_S)
-    print(f"stopped by {name}: {len(running)} jobs stopped; run the same command to resume", flush=True)
+    say(f"stopped by {name}: {len(running)} jobs stopped; run the same command to resume")
     return 128 + signum
 
 
 def run_local(opts, script: str, jobs: list, executor) -> int:
     """Hold the queue in the foreground: at most one job a slot (a GPU, or one of --jobs) at once. Returns the exit
     code: 0 when every job ended well, 1 when one failed, 128 + the signal on SIGTERM or Ctrl-C (SIGINT), which is
-    passed to the running jobs' training processes; the sweep waits for them to stop, and starts no other."""
+    passed to the running jobs' training processes (SIGHUP as SIGTERM); the sweep waits for them to stop, and starts
+    no other. Each job watches the sweep: where it ends otherwise (kill -9), each job stops its run itself."""
     gpus = gpu_count(opts)
     slots = list(range(gpus)) if gpus else list(range(opts.jobs))
     threads = job_threads(opts, gpus)
@@ -760,7 +932,8 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
     def stop(signum, frame):  # noted, then handled in the loop: a signal mid-submission loses no job
         stopping.append(signum)
 
-    previous = {s: signal.signal(s, stop) for s in STOPS}
+    previous = {s: signal.signal(s, stop) for s in SWEEP_STOPS}
+    me = (os.getpid(), process_start(os.getpid()))  # the sweep, as its jobs watch it
     try:
         while (pending or running) and not stopping:
             for slot in [s for s in slots if s not in running][: len(pending)]:
@@ -769,17 +942,20 @@ def run_local(opts, script: str, jobs: list, executor) -> int:
                 kept = kept_threads(folder, threads)
                 record_run(folder, opts, script, total, kept)
                 # submitit's controller inherits stderr, where it would log a stop: a file takes it. It and the job
-                # process inherit SIGINT ignored: a terminal's Ctrl-C, which reaches its whole process group, would
-                # have the controller kill the job process a second later, before its run had stopped; the sweep
-                # passes it on instead (a Ctrl-C within this submission is lost: press it again)
+                # process inherit SIGINT and SIGHUP ignored: a terminal's Ctrl-C, or its SIGHUP as it closes, reaches
+                # its whole process group, and would have the controller kill the job process a second later (or
+                # end both at once), before its run had stopped and its end was logged; the sweep passes it on
+                # instead (a Ctrl-C within this submission is lost: press it again)
                 saved = os.dup(2)
                 with open(pathlib.Path(executor.folder) / "controllers.log", "a") as log:
                     os.dup2(log.fileno(), 2)
                     signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.signal(signal.SIGHUP, signal.SIG_IGN)
                     try:
-                        job = executor.submit(TrainRun(), script, str(folder), flags, total, kept)
+                        job = executor.submit(TrainRun(me), script, str(folder), flags, total, kept)
                     finally:
                         signal.signal(signal.SIGINT, stop)
+                        signal.signal(signal.SIGHUP, stop)
                         os.dup2(saved, 2)
                         os.close(saved)
                 record_job(folder, "local", job.job_id)
