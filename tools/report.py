@@ -30,7 +30,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from experiments import EXPERIMENTS  # noqa: E402
+from experiments import EXPERIMENTS, RELEASED_EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 from released import CLONE_COMMAND, released_root  # noqa: E402
 from scores import NORMALISATION, normalised_score  # noqa: E402
@@ -61,7 +61,9 @@ SAME_RUN.update(track="logging", wandb_project_name="logging", wandb_entity="log
 SAME_RUN.update(micro_batch_size="chunks of a minibatch: the same update in another summation order")
 # variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
 VARIANTS = {
-    name: (flags, exp["released"][name]) for exp in EXPERIMENTS.values() for name, flags in exp["variants"].items()
+    name: (flags, exp["released"][name])
+    for exp in RELEASED_EXPERIMENTS.values()
+    for name, flags in exp["variants"].items()
 }
 
 
@@ -317,7 +319,7 @@ def released_results(given) -> tuple:
 def released_only(opts, results: pathlib.Path) -> None:
     """The released runs alone: each variant's mean normalised score at 100M over the 16 games (and with --experiment,
     its per-game returns and the figure)."""
-    names = [opts.experiment] if opts.experiment else list(EXPERIMENTS)
+    names = [opts.experiment] if opts.experiment else list(RELEASED_EXPERIMENTS)
     final = {v: released_matrix(results, v, GAMES) for name in names for v in EXPERIMENTS[name]["variants"]}
     if missing := [v for v, matrix in final.items() if matrix is None]:
         sys.exit(f"error: {results}: no CSV of every game for {missing} (a released results folder holds them)")
@@ -392,6 +394,8 @@ def parse_options() -> argparse.Namespace:
         sys.exit(f"error: --released-only reports no folder ({opts.folder}): drop one of them")
     if not opts.released_only and opts.folder is None:
         sys.exit("error: no folder given: tools/report.py runs/<name> (or --released-only)")
+    if opts.released_only and opts.experiment and opts.experiment not in RELEASED_EXPERIMENTS:
+        sys.exit(f"error: --released-only: experiment {opts.experiment} has no released runs (report a folder of it)")
     return opts
 
 
