@@ -561,7 +561,7 @@ def report_of(folder, *flags) -> str:
 
 
 def test_a_generalization_sweep_reports_train_test_their_gap_and_train_procgens_ppo(tmp_path):
-    """A sweep trained on 200 levels with test envs: a row a game with each method's train and test return, its gap
+    """A sweep trained on 200 levels with test envs: a row per game with each method's train and test return, its gap
     and train-procgen's PPO (mean of its 3 runs, min to max); the train, test and gap scores normalised by
     train-procgen's easy ranges, with intervals, and train-procgen's over the same games, worked out here by hand from
     its table; the source of its figures; the figure."""

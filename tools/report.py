@@ -5,6 +5,7 @@ and one figure in the layout of the released graph.py.
     python tools/report.py runs/e-aux --experiment e-aux    # one of tools/experiments.py's seven experiments
     python tools/report.py --released-only                  # the released runs alone: every experiment at 100M
     python tools/report.py --released-only --experiment e-aux --out e-aux   # one experiment, per game, a figure
+    python tools/report.py runs/generalization              # runs on a set of levels: train, test, train-procgen's PPO
 
 The released results (phasic_policy_gradient/results/<folder>/progress-<game>.csv of the authors' code: hard mode,
 100M env steps, one EpRewMean row every 65,536 env steps) are --released, or those of the released code where the
@@ -709,7 +710,7 @@ def reference_cells(game: str) -> list:
 
 
 def generalization_table(runs: list, games: list, methods: list) -> list:
-    """A row a game: each method's train and test returns (the mean over its seeds of each seed's last WINDOW
+    """A row per game: each method's train and test returns (the mean over its seeds of each seed's last WINDOW
     episodes at the last step those seeds all reached), their gap, and train-procgen's PPO beside them."""
     header = "| game | " + " | ".join(f"{m} train | {m} test | {m} gap | {m} (seeds, step, episodes)" for m in methods)
     header += " | train-procgen PPO train | test | gap |"
@@ -779,7 +780,7 @@ def generalization_aggregate(runs: list, games: list, methods: list, reps: int) 
         f"stratified-bootstrap CIs ({reps:,} resamples) where a method has {MIN_SEEDS} seeds or more and every run "
         f"{WINDOW} train and {WINDOW} test episodes by the step. Gap: train minus test, a seed and game at a time.",
         "",
-        "| method | train, test or gap | runs x games | episodes a run | IQM [95% CI] | mean [95% CI] |",
+        "| method | train, test or gap | runs x games | episodes per run | IQM [95% CI] | mean [95% CI] |",
         "|---|---|---|---|---|---|",
     ]
     for name in scores:
@@ -804,7 +805,7 @@ def generalization_aggregate(runs: list, games: list, methods: list, reps: int) 
 
 
 def draw_generalization(path, title: str, runs: list, games: list, methods: list, points: int) -> None:
-    """A panel a game: each method's train (solid) and test (dashed) return against env steps, the mean over its
+    """A panel per game: each method's train (solid) and test (dashed) return against env steps, the mean over its
     seeds; train-procgen's PPO at 25M as markers (train o, test x), its 3 runs' range as the bar, where the game's
     runs reached half of that (else its markers would squeeze their curves into the panel's first few pixels)."""
     import matplotlib
@@ -854,7 +855,7 @@ def draw_generalization(path, title: str, runs: list, games: list, methods: list
 
 
 def generalization_report(opts, runs: list, games: list, methods: list) -> None:
-    """A sweep trained on a set of levels: where it stands, a row a game (train, test, gap, train-procgen's PPO), the
+    """A sweep trained on a set of levels: where it stands, a row per game (train, test, gap, train-procgen's PPO), the
     normalised scores over the games, the figure. Writes <folder>/report.md and .png (or --out STEM) and prints it."""
     if full := [f"{r['game']} {r['method']} seed {r['seed']}" for r in runs if r["flags"].get("num_levels", 0) == 0]:
         sys.exit(
@@ -870,7 +871,7 @@ def generalization_report(opts, runs: list, games: list, methods: list) -> None:
         f"# Generalization report of {opts.folder}" + (f" (experiment {opts.experiment})" if opts.experiment else ""),
         "",
         f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, "
-        f"{runs[0]['flags']['distribution_mode']} mode; trained on {levels}; test envs a run: {tests}.",
+        f"{runs[0]['flags']['distribution_mode']} mode; trained on {levels}; test envs per run: {tests}.",
         "",
         f"Train: a run's mean return over its last {WINDOW} training episodes by the step; test: over its last "
         f"{WINDOW} episodes of its test envs, which play the full level distribution (unseen levels, almost all) with "

@@ -68,7 +68,7 @@ def easy_ranges(checkout: pathlib.Path) -> dict:
 
 
 def reference(checkout: pathlib.Path) -> dict:
-    """TRAIN_PROCGEN_PPO recomputed: game -> {"test": [a figure a run], "train": [...]}."""
+    """TRAIN_PROCGEN_PPO recomputed: game -> {"test": [a figure per run], "train": [...]}."""
     table = {}
     for game in TRAIN_PROCGEN_PPO:
         runs = at_step(checkout, game, AT, ROWS)
