@@ -4,6 +4,7 @@ matches), rliable's IQM, mean and intervals over a runs x games matrix, the prob
 import importlib.util
 import logging
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -540,3 +541,122 @@ def test_a_method_or_seed_left_out_of_the_aggregate_says_why(tmp_path, monkeypat
     assert "e-aux-2 is left out of the aggregate: no episode had ended by 65,536 env steps in starpilot seed 1." in out
     assert "ppg seed 2 is left out of the aggregate: it has no run in starpilot." in out
     assert "Ranking: none, too few seeds: ppg has 1 seed in every game (an interval needs 2)." in out
+
+
+def write_generalization_run(folder, game: str, method: str, seed: int, train: float, test: float, last: int) -> None:
+    """A run of the generalization experiment as tools/sweep.py leaves it, planned to 16,384 env steps (one rollout of
+    64 envs x 256 steps), at step `last`: 100 training episodes of return `train` and 100 test episodes (the full
+    distribution) of return `test`, spread up to `last`."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    experiments = load_tool("experiments", "experiments_table")
+    own = experiments.EXPERIMENTS["generalization"]["variants"][method]
+    flags = f"{experiments.GENERALIZATION_PROTOCOL} {own} --total-timesteps 16384"
+    run = folder / f"{game}__{method}__{seed}" / "runs" / f"{game}__{method}__{seed}__1"
+    run.mkdir(parents=True)
+    args = dict(script_args(*flags.split(), "--seed", str(seed)), env_id=game, num_test_envs=16)
+    torch.save(dict(args=args, global_step=last, phase=1), run / "checkpoint.pt")
+    writer = SummaryWriter(str(run))
+    for i in range(100):
+        writer.add_scalar("charts/episodic_return", train, (i + 1) * last // 100)
+        writer.add_scalar("charts/test_episodic_return", test, (i + 1) * last // 100)
+    writer.add_scalar("losses/value_loss", 0.0, last)
+    writer.close()
+
+
+def generalization_sweep(folder, skip=(), running=()) -> None:
+    """bigfish and coinrun x ppg and ppo x seeds 1 and 2, all at 16,384 env steps but those in `running` (at 8,192)
+    and without those in `skip`. Normalised by train-procgen's easy ranges (bigfish 1 to 40, coinrun 5 to 10), ppg
+    trains to 1.0 and tests at 0.5, ppo trains to 0.8 and tests at 0.4, in both games."""
+    returns = {"ppg": {"bigfish": (40.0, 20.5), "coinrun": (10.0, 7.5)}}
+    returns["ppo"] = {"bigfish": (32.2, 16.6), "coinrun": (9.0, 7.0)}
+    for method, games in returns.items():
+        for game, (train, test) in games.items():
+            for seed in (1, 2):
+                if (game, method, seed) not in skip:
+                    last = 8_192 if (game, method, seed) in running else 16_384
+                    write_generalization_run(folder, game, method, seed, train, test, last)
+
+
+def report_of(folder, *flags) -> str:
+    argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(folder), "--reps", "100", *flags]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)  # (rliable holds on to stderr)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_generalization_sweep_reports_train_test_their_gap_and_train_procgens_ppo(tmp_path):
+    """A sweep trained on 200 levels with test envs: a row per game with each method's train and test return, its gap
+    and train-procgen's PPO (mean of its 3 runs, min to max); the train, test and gap scores normalised by
+    train-procgen's easy ranges, with intervals, and train-procgen's over the same games, worked out here by hand from
+    its table; the source of its figures; the figure."""
+    generalization_sweep(tmp_path / "sweep")
+    out = report_of(tmp_path / "sweep")
+    assert "Every run is there and has reached its planned env steps." in out, out
+    bigfish = "| bigfish | 40.00 | 20.50 | 19.50 | 2, 16,384, 100 train, 100 test | 32.20 | 16.60 | 15.60 | 2, 16,384, 100 train, 100 test | "
+    # train-procgen's bigfish: train 12.971, 11.513, 12.552 (mean 12.345), test 4.959, 5.092, 3.958 (mean 4.670)
+    assert bigfish + "12.35 (11.51-12.97) | 4.67 (3.96-5.09) | 7.68 |" in out, out
+    for method, train, test, gap in (("ppg", "1.000", "0.500", "0.500"), ("ppo", "0.800", "0.400", "0.400")):
+        for split, score in (("train", train), ("test", test), ("gap", gap)):
+            row = f"| {method} | {split} | 2 x 2 | 100 | {score} [{score}, {score}] | {score} [{score}, {score}] |"
+            assert row in out, (row, out)
+    # train-procgen over bigfish and coinrun: test ((4.670 - 1) / 39 + (8.657 - 5) / 5) / 2 = 0.413, train
+    # ((12.345 - 1) / 39 + (9.5 - 5) / 5) / 2 = 0.595, gap 0.183
+    for split, score in (("train", "0.595"), ("test", "0.413"), ("gap", "0.183")):
+        row = next(line for line in out.splitlines() if line.startswith(f"| train-procgen PPO | {split} | 3 x 2 |"))
+        assert row.split(" | ")[-1].startswith(f"{score} ["), row
+    assert "https://github.com/openai/train-procgen at commit 1a2ae2194a61f76a733a39339530401c024c3ad8" in out
+    assert "It is not the score of a final policy on test levels (PLR's and IDAAC's): tools/evaluate.py" in out
+    assert "not the same step" in out  # ours at 16,384 env steps, its at 25M
+    assert (tmp_path / "sweep" / "report.png").stat().st_size > 10_000  # drawn (and looked at when this was written)
+
+
+def test_a_generalization_report_names_missing_games_and_runs_still_running(tmp_path):
+    """A game with no run of a method, and a run short of its planned steps, are named, the method without every
+    game is left out of the aggregate, saying why; the report says the sweep is not complete. With --experiment
+    generalization the grid is the experiment's, so its 14 games with no run are named too."""
+    generalization_sweep(
+        tmp_path / "sweep", skip={("coinrun", "ppo", 1), ("coinrun", "ppo", 2)}, running={("bigfish", "ppg", 2)}
+    )
+    out = report_of(tmp_path / "sweep")
+    assert "Runs missing: coinrun ppo seed 1, coinrun ppo seed 2." in out, out
+    assert "Still running or stopped, short of their planned env steps: bigfish ppg seed 2 at 8,192 of 16,384." in out
+    assert "The sweep is not complete" in out and "ppo is left out of the aggregate: no seed has a run" in out
+    assert "| coinrun | 10.00 | 7.50 | 2.50 | 2, 16,384, 100 train, 100 test | - | - | - | no run |" in out, out
+    assert "| ppg | train | 2 x 2 | " in out and "| ppo | train |" not in out  # ppg at 8,192 env steps, ppo not at all
+    out = report_of(tmp_path / "sweep", "--experiment", "generalization", "--out", str(tmp_path / "experiment"))
+    assert "Missing: 90 of 96 runs (no folder with a checkpoint)." in out, out
+    assert "Games with no run: bossfight, caveflyer, chaser, climber, dodgeball, fruitbot, heist," in out, out
+
+
+def test_train_procgens_figures_are_the_mean_of_its_last_10_rows_up_to_25_1m(tmp_path, monkeypatch):
+    """tools/train_procgen.py on a checkout of made-up CSVs (row k at k x 16,384 env steps, test eprewmean k and train
+    2k in run 0, plus 1000 x run in the others): the rows up to 25,100,000 are 1 to 1,531, so each run's figure is
+    the mean of rows 1,522 to 1,531; at 1,048,576 env steps, row 64. Where a copy of the repository is found
+    ($PPG_TRAIN_PROCGEN, else ../train-procgen) it recomputes tools/scores.py's table from it."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    tool = load_tool("train_procgen", "train_procgen_tool")
+    checkout = tmp_path / "train-procgen"
+    for r, run in enumerate(("easy-200-run0", "easy-200-run1", "easy-200-run2")):
+        (checkout / "train_procgen" / "results" / run).mkdir(parents=True)
+        for split, scale in (("test", 1), ("train", 2)):
+            rows = "\n".join(f"{scale * k + 1000 * r},{k * 16_384}" for k in range(1, 3_052))
+            path = checkout / "train_procgen" / "results" / run / f"progress-maze-{split}.csv"
+            path.write_text("eprewmean,misc/total_timesteps\n" + rows + "\n")
+    found = tool.at_step(checkout, "maze", tool.AT, tool.ROWS)
+    assert found == [(1531 * 16_384, 1526.5 + 1000 * r, 3053.0 + 1000 * r) for r in range(3)]
+    assert tool.at_step(checkout, "maze", 1_048_576) == [
+        (1_048_576, 64.0 + 1000 * r, 128.0 + 1000 * r) for r in range(3)
+    ]
+    given = os.environ.get("PPG_TRAIN_PROCGEN", str(ROOT.parent / "train-procgen"))
+    if not (pathlib.Path(given) / "train_procgen" / "results" / "easy-200-run0").is_dir():
+        pytest.skip(f"no copy of openai/train-procgen at {given} ($PPG_TRAIN_PROCGEN): the stored table not recomputed")
+    scores = load_tool("scores", "scores_table")
+    table = tool.reference(pathlib.Path(given))
+    for game, figures in table.items():
+        assert np.allclose(
+            figures["test"] + figures["train"],
+            scores.TRAIN_PROCGEN_PPO[game]["test"] + scores.TRAIN_PROCGEN_PPO[game]["train"],
+            atol=5e-4,
+        ), game
+    assert tool.easy_ranges(pathlib.Path(given)) == scores.TRAIN_PROCGEN_EASY

@@ -290,6 +290,60 @@ def test_each_released_experiment_is_one_command(tmp_path):
     assert not list(tmp_path.iterdir())  # dry runs and refusals: no folder made
 
 
+# train-procgen's generalization protocol (its README's easy-200 command: one training worker of 64 envs, easy mode,
+# levels 0 to 199), 25M env steps, the paper's PPO beside PPG; 4 aux trajectories, as the paper's 16 per 256 envs
+GENERALIZATION = dict(distribution_mode="easy", num_levels=200, start_level=0, num_envs=64, aux_mb_trajectories=4)
+GENERALIZATION.update(total_timesteps=25_000_000)
+
+
+def test_the_generalization_experiment_is_one_command_with_train_procgens_protocol(tmp_path):
+    """--experiment generalization: 16 games x PPG and the paper's PPO x seeds 1 2 3, each run's command parsed by the
+    script to train-procgen's protocol (not the paper's hard mode, 100M steps, 256 envs), every other flag at its
+    default; the dry run names each job's resources and each method's memory; --status follows the same runs; a flag
+    after -- that changes the protocol stops it in one line naming train-procgen's value."""
+    import tyro
+
+    from conftest import load_script
+
+    script = load_script("ppg_procgen.py")
+    defaults = vars(script.Args())
+    variants = {"ppg": {}, "ppo": dict(arch="shared", e_aux=0, e_pi=3, e_v=3)}
+    argv = ["--experiment", "generalization", "--cluster", "slurm", "--partition", "gpu"]
+    results = mains_in_one_process(
+        tmp_path, [[*argv, "--dry-run"], [*argv, "--status"], [*argv, "--dry-run", "--", "--num-levels", "0"]]
+    )
+    (stop, printed), (stop_status, status), (refused, _) = results
+    assert stop is None and "\n96 runs, 0 done, 96 to run\n" in printed, (stop, printed[-500:])
+    assert printed.count("each job asks SLURM for: partition gpu, GPUs 1, CPUs 8, time 1440 min,") == 1, printed
+    assert [line.split(":")[0] for line in printed.splitlines() if line.startswith("memory a run")] == [
+        "memory a run (ppg)",
+        "memory a run (ppo)",
+    ]
+    started = dict(line.split(": ", 1) for line in printed.splitlines() if line.startswith("start "))
+    folders = {
+        f"{tmp_path}/generalization/{g}__{v}__{s}" for g in script.PROCGEN_GAMES for v in variants for s in (1, 2, 3)
+    }
+    assert len(folders) == 16 * 2 * 3 and {folder.split()[-1] for folder in started} == folders
+    parsed = {}
+    for folder, command in started.items():
+        game, variant, seed = pathlib.Path(folder.split()[-1]).name.split("__")
+        flags = shlex.split(command)[2:]
+        if tuple(flags[6:]) not in parsed:
+            parsed[tuple(flags[6:])] = vars(tyro.cli(script.Args, args=flags[6:]))
+        expected = dict(defaults, **GENERALIZATION, **variants[variant])
+        assert parsed[tuple(flags[6:])] == expected, (folder, command)
+    assert len(parsed) == 2 and not any(
+        r["num_envs"] == 256 or r["distribution_mode"] == "hard" for r in parsed.values()
+    )
+    assert stop_status is None and status.count("not started ") == 96 and "96 runs: 96 not started" in status, status
+    assert refused == (
+        "error: --experiment generalization: --num-levels 0 after -- changes its runs (train-procgen's protocol sets "
+        "--num-levels 200); after -- it takes only --cuda, --micro-batch-size, --track, --wandb-project-name, "
+        "--wandb-entity (other flags: a sweep of --games, --seeds and --method)"
+    )
+    assert not (tmp_path / "generalization").exists()  # a dry run, a status and a refusal make no folder
+
+
 def test_the_experiments_table_is_the_released_readme(monkeypatch):
     """tools/experiments.py against the released code itself: each experiment of its README (the train command's flags,
     by our names; the graph's --experiment_name, hyphenated, is ours) has the same variants, and the released results
@@ -303,7 +357,7 @@ def test_the_experiments_table_is_the_released_readme(monkeypatch):
     if root is None:
         pytest.skip(why_not)
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from experiments import EXPERIMENTS
+    from experiments import RELEASED_EXPERIMENTS as EXPERIMENTS  # generalization has no released runs
 
     ours = {"--n_epoch_pi": "--e-pi", "--n_epoch_vf": "--e-v", "--n_aux_epochs": "--e-aux", "--n_pi": "--n-pi"}
     ours.update({"--clip_param": "--clip-coef", "--kl_penalty": "--kl-penalty", "--arch": "--arch"})

@@ -14,20 +14,34 @@ The released commands (mpiexec -np 4 python -m phasic_policy_gradient.train ...)
     single network      --arch detach                               ours: --arch detach
 Every run has the paper's protocol: the 16 games in hard mode, 100M env steps, and the released code's batch in one
 process (4 workers x 64 envs: --num-envs 256; 4 workers x 4 aux trajectories: --aux-mb-trajectories 16).
+
+generalization (not the paper's: openai/train-procgen's protocol, which later Procgen papers follow) trains PPG and
+the paper's PPO on levels 0 to 199 of easy mode for 25M env steps with 64 envs (train-procgen's one training worker of
+64 envs; 4 aux trajectories, as the paper's 16 per 256 envs), while the script's test envs play the full level
+distribution (as many as the script's default); tools/report.py reports its train and test returns beside
+train-procgen's PPO (tools/scores.py).
 """
 
 PAPER_PROTOCOL = "--distribution-mode hard --num-envs 256 --aux-mb-trajectories 16 --total-timesteps 100000000"
+GENERALIZATION_PROTOCOL = (
+    "--distribution-mode easy --num-levels 200 --start-level 0 --num-envs 64 --aux-mb-trajectories 4"
+    " --total-timesteps 25000000"
+)
 THREE_SEEDS, ONE_SEED = (1, 2, 3), (1,)  # the released runs: 3 of PPG, PPO, L_KL and single network; 1 of each value
 
 
-def experiment(variants: dict, seeds: tuple, released: dict) -> dict:
-    """variants: name -> flags; released: name -> the released results folders of that variant's runs."""
-    return dict(variants=variants, seeds=seeds, released=released)
+def experiment(
+    variants: dict, seeds: tuple, released: dict, protocol: str = PAPER_PROTOCOL, named="the paper's"
+) -> dict:
+    """variants: name -> flags; released: name -> the released results folders of that variant's runs ({}: none);
+    protocol: the flags of every run, which `named` names in messages ("the paper's protocol")."""
+    return dict(variants=variants, seeds=seeds, released=released, protocol=protocol, named=named)
 
 
-# The released seven only (tests/test_sweep.py checks them against the released README; tools/report.py reads their
-# released runs). A method of your own over the same games and seeds needs no entry here: tools/sweep.py --games all
-# --seeds 1 2 3 --method NAME="FLAGS" --methods NAME -- <PAPER_PROTOCOL's flags> (docs/sweeps.md).
+# The released seven (tests/test_sweep.py checks them against the released README; tools/report.py reads their
+# released runs), then generalization, which has no released runs. A method of your own over the same games and seeds
+# needs no entry here: tools/sweep.py --games all --seeds 1 2 3 --method NAME="FLAGS" --methods NAME -- <the flags of
+# PAPER_PROTOCOL> (docs/sweeps.md).
 EXPERIMENTS = {
     "ppg": experiment({"ppg": ""}, THREE_SEEDS, {"ppg": ["ppg-run0", "ppg-run1", "ppg-run2"]}),
     "ppo": experiment(
@@ -57,3 +71,12 @@ EXPERIMENTS = {
         {f"n-pi-{n}": [f"n-pi-{n}"] for n in (2, 4, 8, 16, 32)},
     ),
 }
+EXPERIMENTS["generalization"] = experiment(
+    {"ppg": "", "ppo": EXPERIMENTS["ppo"]["variants"]["ppo"]},
+    THREE_SEEDS,
+    {},
+    GENERALIZATION_PROTOCOL,
+    "train-procgen's",
+)
+# The experiments with released runs: the seven of the released README
+RELEASED_EXPERIMENTS = {name: exp for name, exp in EXPERIMENTS.items() if exp["released"]}

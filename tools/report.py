@@ -5,6 +5,7 @@ and one figure in the layout of the released graph.py.
     python tools/report.py runs/e-aux --experiment e-aux    # one of tools/experiments.py's seven experiments
     python tools/report.py --released-only                  # the released runs alone: every experiment at 100M
     python tools/report.py --released-only --experiment e-aux --out e-aux   # one experiment, per game, a figure
+    python tools/report.py runs/generalization              # runs on a set of levels: train, test, train-procgen's PPO
 
 The released results (phasic_policy_gradient/results/<folder>/progress-<game>.csv of the authors' code: hard mode,
 100M env steps, one EpRewMean row every 65,536 env steps) are --released, or those of the released code where the
@@ -36,10 +37,18 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 logging.getLogger("tensorboard").setLevel(logging.ERROR)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from experiments import EXPERIMENTS  # noqa: E402
+from experiments import EXPERIMENTS, RELEASED_EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 from released import CLONE_COMMAND, released_root  # noqa: E402
-from scores import NORMALISATION, normalised_score  # noqa: E402
+from scores import (  # noqa: E402
+    NORMALISATION,
+    TRAIN_PROCGEN_AT,
+    TRAIN_PROCGEN_COMMIT,
+    TRAIN_PROCGEN_PPO,
+    TRAIN_PROCGEN_REPOSITORY,
+    normalised_score,
+    train_procgen_score,
+)
 
 STEPS_PER_RELEASED_ROW = 65_536  # the released code's 4 workers x 64 envs x 256 steps
 FIRST_VALID = 10  # the released graph.py drops each CSV's first 10 rows (its episode buffers are still filling)
@@ -48,6 +57,7 @@ FINAL_ROWS = 10  # the released figure "at 100M": the mean of each CSV's last 10
 WINDOW = 100  # episodes a run's figure averages (the released code's EpRewMean: 100 episodes of each worker)
 MIN_SEEDS = 2  # a method's seeds in every game for an interval: with one, every bootstrap resample is the same
 GAMES = sorted(NORMALISATION["hard"])  # the 16 Procgen games, each a released CSV
+TEST_TAG = "charts/test_episodic_return"  # a run with --num-levels > 0: the finished episodes of its test envs
 
 # Every flag of ppg_procgen.py that makes a run the released one, at the released train.py's values (its README runs
 # `mpiexec -np 4`: 4 workers x 64 envs, 4 x 4 aux trajectories, in one process 256 and 16); a variant's own flags
@@ -67,7 +77,9 @@ SAME_RUN.update(track="logging", wandb_project_name="logging", wandb_entity="log
 SAME_RUN.update(micro_batch_size="chunks of a minibatch: the same update in another summation order")
 # variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
 VARIANTS = {
-    name: (flags, exp["released"][name]) for exp in EXPERIMENTS.values() for name, flags in exp["variants"].items()
+    name: (flags, exp["released"][name])
+    for exp in RELEASED_EXPERIMENTS.values()
+    for name, flags in exp["variants"].items()
 }
 
 
@@ -130,9 +142,10 @@ def read_runs(folder: pathlib.Path, methods=None) -> list:
         episodes = sorted(episodes, key=lambda e: e.step)
         last = max((e.step for e in acc.Scalars("losses/value_loss")), default=0) if "losses/value_loss" in tags else 0
         steps, returns = np.array([e.step for e in episodes]), np.array([e.value for e in episodes])
-        runs.append(
-            dict(game=game, method=method, seed=int(seed), flags=flags, steps=steps, returns=returns, last=last)
-        )
+        run = dict(game=game, method=method, seed=int(seed), flags=flags, steps=steps, returns=returns, last=last)
+        tests = sorted(acc.Scalars(TEST_TAG), key=lambda e: e.step) if TEST_TAG in tags else []  # unseen levels
+        run.update(test_steps=np.array([e.step for e in tests]), test_returns=np.array([e.value for e in tests]))
+        runs.append(run)
     return runs
 
 
@@ -323,7 +336,7 @@ def released_results(given) -> tuple:
 def released_only(opts, results: pathlib.Path) -> None:
     """The released runs alone: each variant's mean normalised score at 100M over the 16 games (and with --experiment,
     its per-game returns and the figure)."""
-    names = [opts.experiment] if opts.experiment else list(EXPERIMENTS)
+    names = [opts.experiment] if opts.experiment else list(RELEASED_EXPERIMENTS)
     final = {v: released_matrix(results, v, GAMES) for name in names for v in EXPERIMENTS[name]["variants"]}
     if missing := [v for v, matrix in final.items() if matrix is None]:
         sys.exit(f"error: {results}: no CSV of every game for {missing} (a released results folder holds them)")
@@ -398,6 +411,8 @@ def parse_options() -> argparse.Namespace:
         sys.exit(f"error: --released-only reports no folder ({opts.folder}): drop one of them")
     if not opts.released_only and opts.folder is None:
         sys.exit("error: no folder given: tools/report.py runs/<name> (or --released-only)")
+    if opts.released_only and opts.experiment and opts.experiment not in RELEASED_EXPERIMENTS:
+        sys.exit(f"error: --released-only: experiment {opts.experiment} has no released runs (report a folder of it)")
     return opts
 
 
@@ -639,6 +654,259 @@ def figure_title(opts, games: list, ours: dict, agg, beside: list) -> str:
     return title
 
 
+# ---- A sweep trained on a set of levels (--num-levels > 0, experiment generalization): its train and test returns ----
+
+
+def planned(run: dict) -> int:
+    """The env steps a run plans: --total-timesteps rounded up to whole rollouts, as the script's make_plan does."""
+    batch = run["flags"]["num_envs"] * run["flags"]["num_steps"]
+    return math.ceil(run["flags"]["total_timesteps"] / batch) * batch
+
+
+def test_return_at(run: dict, step: int, window: int = WINDOW) -> float:
+    """The mean return of the run's last `window` test episodes (unseen levels) up to `step` (NaN if none had ended)."""
+    ended = run["test_returns"][run["test_steps"] <= step][-window:]
+    return float(ended.mean()) if len(ended) else float("nan")
+
+
+def test_episodes_at(run: dict, step: int) -> int:
+    return min(WINDOW, int((run["test_steps"] <= step).sum()))
+
+
+def sweep_state(opts, runs: list, games: list, methods: list) -> tuple:
+    """(lines naming each run missing, unfinished or without a test episode, whether every run is there and done).
+    Expected: the experiment's 16 games x variants x seeds, or else every game, method and seed the folder has."""
+    if opts.experiment:
+        exp = EXPERIMENTS[opts.experiment]
+        want = (GAMES, list(exp["variants"]), list(exp["seeds"]))
+    else:
+        want = (games, methods, sorted({r["seed"] for r in runs}))
+    have = {(r["game"], r["method"], r["seed"]) for r in runs}
+    missing = [(g, m, s) for g in want[0] for m in want[1] for s in want[2] if (g, m, s) not in have]
+    absent = [g for g in want[0] if not any(r["game"] == g for r in runs)]
+    lines, total = [], len(want[0]) * len(want[1]) * len(want[2])
+    if missing:
+        lines.append(f"Missing: {len(missing)} of {total} runs (no folder with a checkpoint).")
+        if absent:
+            lines.append(f"Games with no run: {', '.join(absent)}.")
+        if others := [f"{g} {m} seed {s}" for g, m, s in missing if g not in absent]:
+            lines.append(f"Runs missing: {', '.join(others)}.")
+    unfinished = [r for r in runs if r["last"] < planned(r)]
+    if unfinished:
+        where = [f"{r['game']} {r['method']} seed {r['seed']} at {r['last']:,} of {planned(r):,}" for r in unfinished]
+        lines.append(f"Still running or stopped, short of their planned env steps: {'; '.join(where)}.")
+    if untested := [f"{r['game']} {r['method']} seed {r['seed']}" for r in runs if not len(r["test_steps"])]:
+        lines.append(
+            f"No test episode logged (--num-test-envs 0, or none ended yet): {', '.join(untested)}; no test figure."
+        )
+    complete = not missing and not unfinished
+    if not complete:
+        lines.append(
+            "The sweep is not complete: the figures below are of the runs there, each at the last step its runs all "
+            "reached, and not the protocol's figures at its planned steps."
+        )
+    return lines, complete
+
+
+def reference_cells(game: str) -> list:
+    """train-procgen's PPO in a game: train and test (mean of its 3 runs, min to max) and the gap."""
+    found = TRAIN_PROCGEN_PPO[game]
+    train, test = (f"{np.mean(found[k]):.2f} ({min(found[k]):.2f}-{max(found[k]):.2f})" for k in ("train", "test"))
+    return [train, test, f"{np.mean(found['train']) - np.mean(found['test']):.2f}"]
+
+
+def generalization_table(runs: list, games: list, methods: list) -> list:
+    """A row per game: each method's train and test returns (the mean over its seeds of each seed's last WINDOW
+    episodes at the last step those seeds all reached), their gap, and train-procgen's PPO beside them."""
+    header = "| game | " + " | ".join(f"{m} train | {m} test | {m} gap | {m} (seeds, step, episodes)" for m in methods)
+    header += " | train-procgen PPO train | test | gap |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for game in games:
+        cells = []
+        for m in methods:
+            own = [r for r in runs if r["game"] == game and r["method"] == m]
+            if not own:
+                cells += ["-", "-", "-", "no run"]
+                continue
+            step = min(r["last"] for r in own)
+            train = np.mean([mean_return_at(r, step) for r in own])
+            test = np.mean([test_return_at(r, step) for r in own])
+            cells += ["-" if np.isnan(x) else f"{x:.2f}" for x in (train, test, train - test)]
+            episodes = ", ".join(
+                f"{episode_counts([count_at(r, step) for r in own])} {split}"
+                for count_at, split in ((episodes_at, "train"), (test_episodes_at, "test"))
+            )
+            cells.append(f"{len(own)}, {step:,}, {episodes}")
+        lines.append(f"| {game} | " + " | ".join(cells + reference_cells(game)) + " |")
+    return lines
+
+
+def generalization_aggregate(runs: list, games: list, methods: list, reps: int) -> list:
+    """Over the games, per method, the train and test scores normalised by train-procgen's easy ranges and their gap
+    (train minus test, a seed and game at a time): rliable's IQM and mean with 95% intervals where a method has
+    MIN_SEEDS seeds and every run WINDOW episodes of each; train-procgen's PPO over the same games beside them."""
+    step = min(r["last"] for r in runs)
+    scores, notes, banded, shapes, counts = {}, [], {}, {}, {}
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        seeds = common_seeds(runs, m, games) if all(any(r["game"] == g for r in mine) for g in games) else []
+        if not seeds:
+            notes.append(f"{m} is left out of the aggregate: no seed has a run in every game.")
+            continue
+        mine = [r for r in mine if r["seed"] in seeds]
+        matrices = {split: np.full((len(seeds), len(games)), np.nan) for split in ("train", "test")}
+        for r in mine:
+            at = (seeds.index(r["seed"]), games.index(r["game"]))
+            matrices["train"][at] = train_procgen_score(r["game"], mean_return_at(r, step))
+            matrices["test"][at] = train_procgen_score(r["game"], test_return_at(r, step))
+        if np.isnan(matrices["train"]).any() or np.isnan(matrices["test"]).any():
+            notes.append(f"{m} is left out of the aggregate: a run had no train or no test episode by {step:,}.")
+            continue
+        if left := sorted({r["seed"] for r in runs if r["method"] == m} - set(seeds)):
+            notes.append(f"{m} seed {', '.join(map(str, left))} left out of the aggregate: no run in every game.")
+        matrices["gap"] = matrices["train"] - matrices["test"]
+        short = min(min(episodes_at(r, step), test_episodes_at(r, step)) for r in mine) < WINDOW
+        counts[m] = episode_counts([min(episodes_at(r, step), test_episodes_at(r, step)) for r in mine])
+        for split, matrix in matrices.items():
+            scores[f"{m} {split}"] = matrix
+            banded[f"{m} {split}"], shapes[f"{m} {split}"] = len(seeds) >= MIN_SEEDS and not short, matrix.shape
+    reference = {
+        k: np.array([[train_procgen_score(g, v) for v in TRAIN_PROCGEN_PPO[g][k]] for g in games]).T
+        for k in ("train", "test")
+    }
+    reference["gap"] = reference["train"] - reference["test"]
+    for split, matrix in reference.items():
+        scores[f"train-procgen PPO {split}"] = matrix
+        banded[f"train-procgen PPO {split}"], shapes[f"train-procgen PPO {split}"] = True, matrix.shape
+    points, intervals = interval_estimates(scores, reps)
+    lines = [
+        "",
+        f"Normalised by train-procgen's easy ranges (tools/scores.py), over the {count(len(games), 'game')} "
+        f"({', '.join(games)}): ours at {step:,} env steps, train-procgen's PPO at {TRAIN_PROCGEN_AT:,}. 95% "
+        f"stratified-bootstrap CIs ({reps:,} resamples) where a method has {MIN_SEEDS} seeds or more and every run "
+        f"{WINDOW} train and {WINDOW} test episodes by the step. Gap: train minus test, a seed and game at a time.",
+        "",
+        "| method | train, test or gap | runs x games | episodes per run | IQM [95% CI] | mean [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in scores:
+        method, split = name.rsplit(" ", 1)
+        runs_ = shapes[name][0] if banded[name] else 0
+        iqm, mean = (with_interval(points[name][k], intervals[name][:, k], runs_) for k in (0, 1))
+        episodes = counts.get(method, f"{WINDOW} (its eprewmean)")
+        lines.append(f"| {method} | {split} | {shapes[name][0]} x {shapes[name][1]} | {episodes} | {iqm} | {mean} |")
+    if step < TRAIN_PROCGEN_AT - 10 * 16_384:  # before the first of the reference's 10 rows
+        lines += [
+            "",
+            f"(Ours at {step:,} env steps, train-procgen's at 25M: not the same step. Its runs at another "
+            "step: tools/train_procgen.py CHECKOUT --game GAME --at STEP.)",
+        ]
+    if any(not b for n, b in banded.items() if not n.startswith("train-procgen")):
+        lines += [
+            "",
+            f"(No interval where a method has fewer than {MIN_SEEDS} seeds, or a run fewer than {WINDOW} "
+            f"train or test episodes by {step:,} env steps.)",
+        ]
+    return lines + [line for note in notes for line in ("", note)]
+
+
+def draw_generalization(path, title: str, runs: list, games: list, methods: list, points: int) -> None:
+    """A panel per game: each method's train (solid) and test (dashed) return against env steps, the mean over its
+    seeds; train-procgen's PPO at 25M as markers (train o, test x), its 3 runs' range as the bar, where the game's
+    runs reached half of that (else its markers would squeeze their curves into the panel's first few pixels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = math.ceil(math.sqrt(len(games)))
+    rows = math.ceil(len(games) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3 * rows + 0.8), squeeze=False)
+    for ax, game in zip(axes.ravel(), games):
+        for i, m in enumerate(methods):
+            own = [r for r in runs if r["game"] == game and r["method"] == m]
+            if not own:
+                continue
+            grid = np.unique(np.linspace(0, max(r["last"] for r in own), points + 1)[1:].astype(int))
+            for at, style, split in ((mean_return_at, "-", "train"), (test_return_at, "--", "test")):
+                values = np.array([[at(r, s) for s in grid] for r in own])
+                keep = ~np.isnan(values).any(axis=0)  # steps where every seed had an episode
+                if keep.any():
+                    ax.plot(grid[keep] / 1e6, values[:, keep].mean(axis=0), style, color=f"C{i}", label=f"{m} {split}")
+        for split, marker in (("train", "o"), ("test", "x")):
+            if max((r["last"] for r in runs if r["game"] == game), default=0) < TRAIN_PROCGEN_AT / 2:
+                continue
+            found = TRAIN_PROCGEN_PPO[game][split]
+            bar = [[np.mean(found) - min(found)], [max(found) - np.mean(found)]]
+            ax.errorbar(
+                TRAIN_PROCGEN_AT / 1e6,
+                np.mean(found),
+                yerr=bar,
+                fmt=marker,
+                color="black",
+                capsize=3,
+                label=f"train-procgen PPO {split}",
+            )
+        ax.set_title(game, fontsize=10)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(games) :]:
+        ax.axis("off")
+    axes[0, 0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.supxlabel("env steps (M)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def generalization_report(opts, runs: list, games: list, methods: list) -> None:
+    """A sweep trained on a set of levels: where it stands, a row per game (train, test, gap, train-procgen's PPO), the
+    normalised scores over the games, the figure. Writes <folder>/report.md and .png (or --out STEM) and prints it."""
+    if full := [f"{r['game']} {r['method']} seed {r['seed']}" for r in runs if r["flags"].get("num_levels", 0) == 0]:
+        sys.exit(
+            f"error: {opts.folder}: runs on the full level distribution beside runs on a set of levels ({full[0]}, "
+            "...): report each sweep alone"
+        )
+    levels = " and ".join(
+        f"{n} levels from {s}" for n, s in sorted({(r["flags"]["num_levels"], r["flags"]["start_level"]) for r in runs})
+    )
+    tests = ", ".join(sorted({str(r["flags"].get("num_test_envs", "not in its checkpoint")) for r in runs}))
+    state, complete = sweep_state(opts, runs, games, methods)
+    lines = [
+        f"# Generalization report of {opts.folder}" + (f" (experiment {opts.experiment})" if opts.experiment else ""),
+        "",
+        f"{count(len(runs), 'run')}: {count(len(games), 'game')} x methods {methods}, "
+        f"{runs[0]['flags']['distribution_mode']} mode; trained on {levels}; test envs per run: {tests}.",
+        "",
+        f"Train: a run's mean return over its last {WINDOW} training episodes by the step; test: over its last "
+        f"{WINDOW} episodes of its test envs, which play the full level distribution (unseen levels, almost all) with "
+        "the current policy, actions sampled, during training, as train-procgen's test worker does. It is not the "
+        "score of a final policy on test levels (PLR's and IDAAC's): tools/evaluate.py gives that. A method's "
+        "figure: the mean over its seeds.",
+        "",
+        f"train-procgen's PPO: {TRAIN_PROCGEN_REPOSITORY} at commit {TRAIN_PROCGEN_COMMIT}, "
+        "train_procgen/results/easy-200-run0, -run1 and -run2: each CSV's eprewmean (its worker's last 100 episodes) "
+        f"averaged over its last 10 rows up to {TRAIN_PROCGEN_AT:,} env steps, then over the 3 runs (min to max "
+        "beside). Its PPO is baselines' ppo2 (value clipping, gradient norm clipped at 0.5, 3 epochs) with one test "
+        "worker of 64 envs, not the PPG paper's PPO that a sweep runs.",
+        "",
+    ]
+    for line in state or ["Every run is there and has reached its planned env steps."]:
+        lines += [line, ""]
+    lines += generalization_table(runs, games, methods)
+    lines += generalization_aggregate(runs, games, methods, opts.reps)
+    stem = pathlib.Path(opts.out) if opts.out else opts.folder / "report"
+    title = f"{opts.folder.name}: train (solid) and test (dashed) return" + ("" if complete else ", sweep not complete")
+    if min(r["last"] for r in runs) < TRAIN_PROCGEN_AT / 2:
+        title += "\ntrain-procgen's PPO at 25M drawn only in games whose runs reached 12.5M"
+    draw_generalization(f"{stem}.png", title, runs, games, methods, opts.points)
+    lines += ["", f"![per-game train and test returns against env steps]({stem.name}.png)"]
+    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwritten to {stem}.md and {stem}.png")
+
+
 def main() -> None:
     opts = parse_options()
     results, missing = released_results(opts.released)
@@ -648,6 +916,8 @@ def main() -> None:
             sys.exit(f"error: --released-only: {missing} (to add it: {fix})")
         return released_only(opts, results)
     runs, games, methods, mode = read_sweep(opts)
+    if opts.experiment == "generalization" or any(r["flags"].get("num_levels", 0) > 0 for r in runs):
+        return generalization_report(opts, runs, games, methods)  # trained on a set of levels: train and test
     # a method's released figures stand beside it only where each of its runs is the released run of its variant
     differences = {
         m: sorted({d for r in runs if r["method"] == m for d in differences_from_released(r)}) for m in methods

@@ -8,10 +8,11 @@
     python tools/sweep.py --name small --games bigfish --seeds 1 2 --cluster local --jobs 2 -- --total-timesteps 2000000
 
 An experiment is one of the seven that the released code's README reproduces (tools/experiments.py: ppg, ppo, ppgkl,
-ppg-single-network, e-pi, e-aux, n-pi). --experiment NAME runs its variants as the sweep's methods, on the 16 games,
-with its released run count (3 seeds, or 1 a value), at the paper's protocol (experiments.PAPER_PROTOCOL) and the
-script's defaults otherwise, in runs/NAME/ (or --name's). --games, --seeds, --methods, --method and --script are the
-experiment's; after `--` it takes only flags that change no training flag (MACHINE_FIELDS).
+ppg-single-network, e-pi, e-aux, n-pi), or generalization (train-procgen's protocol). --experiment NAME runs its
+variants as the sweep's methods, on the 16 games, with its run count (the released one: 3 seeds, or 1 a value), at its
+protocol (the seven: the paper's, experiments.PAPER_PROTOCOL) and the script's defaults otherwise, in runs/NAME/ (or
+--name's). --games, --seeds, --methods, --method and --script are the experiment's; after `--` it takes only flags
+that change no training flag (MACHINE_FIELDS).
 
 A method is a set of flags: `ppg` (the script's defaults) and `ppo` (`--arch shared --e-aux 0 --e-pi 3 --e-v 3`, the
 paper's baseline) are built in; `--method NAME="FLAGS"` adds one, and runs it: --methods, where given, must name it.
@@ -64,7 +65,7 @@ import submitit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
-from experiments import EXPERIMENTS, PAPER_PROTOCOL  # noqa: E402
+from experiments import EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 
 METHODS = {"ppg": "", "ppo": "--arch shared --e-aux 0 --e-pi 3 --e-v 3"}
@@ -74,7 +75,7 @@ MACHINE_FIELDS = ("cuda", "micro_batch_size", "track", "wandb_project_name", "wa
 # The grid's own: the first three name a run's folder, and each start of a job resumes the run in it by itself
 GRID_FIELDS = ("env_id", "seed", "exp_name", "resume")
 GRID_FIX = "(use --games, --seeds or --methods; a run resumes from its folder by itself)"
-RELEASED_FIX = "(the released runs' game, seed and name; a run resumes from its folder by itself)"
+RELEASED_FIX = "(the experiment's game, seed and name; a run resumes from its folder by itself)"
 POLL_S = 0.5  # how often the local queue looks at its jobs
 JOB_FILE = "job_id"  # in a run's folder: "<cluster> <job id>" of the job last submitted for it, read by --status
 # In a run's folder: what the sweep planned for it (its command, the script, its planned steps, the threads it started
@@ -100,7 +101,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--experiment",
         default=None,
         metavar="NAME",
-        help=f"one of the released experiments, as released: {', '.join(EXPERIMENTS)} (tools/experiments.py)",
+        help=f"one of the experiments, with its own runs: {', '.join(EXPERIMENTS)} (tools/experiments.py)",
     )
     parser.add_argument("--name", help="the sweep's name: its runs go to <root>/<name>/ (an experiment's: its name)")
     parser.add_argument(
@@ -184,7 +185,7 @@ def read_command(argv: list):
         for name in ("script", "games", "seeds", "methods", "method"):  # an experiment's own: the released runs
             if getattr(opts, name):
                 sys.exit(
-                    f"error: --{name} with --experiment: an experiment runs the released games, seeds and variants "
+                    f"error: --{name} with --experiment: an experiment runs the games, seeds and variants it defines "
                     f"(leave --{name} out, or --experiment for a sweep of your own)"
                 )
         opts.name = opts.name or opts.experiment
@@ -283,7 +284,7 @@ def fields_of(flags: str) -> set:
 
 def define_methods(opts) -> dict:
     """name -> flags of the methods to run; opts.methods, opts.seeds and opts.games as the sweep runs them."""
-    if opts.experiment is not None:  # the released runs: its variants, its seeds, the 16 games
+    if opts.experiment is not None:  # its runs: its variants, its seeds, the 16 games
         experiment = EXPERIMENTS[opts.experiment]
         opts.methods, opts.seeds, opts.games = list(experiment["variants"]), list(experiment["seeds"]), ["all"]
         return dict(experiment["variants"])
@@ -307,17 +308,17 @@ def define_methods(opts) -> dict:
 
 def check_experiment(module, name: str, variant: str, args) -> None:
     """Exit with one line where the flags after -- change a field of an experiment's runs that is not one of
-    MACHINE_FIELDS: the paper's protocol, the variant's own flags, or any other training flag."""
-    flags = EXPERIMENTS[name]["variants"][variant]
-    released = parsed_args(module, [*shlex.split(PAPER_PROTOCOL), *shlex.split(flags)], f"--experiment {name}")
+    MACHINE_FIELDS: the experiment's protocol, the variant's own flags, or any other training flag."""
+    flags, protocol = EXPERIMENTS[name]["variants"][variant], EXPERIMENTS[name]["protocol"]
+    released = parsed_args(module, [*shlex.split(protocol), *shlex.split(flags)], f"--experiment {name}")
     bad = [field for field in vars(args) if getattr(args, field) != getattr(released, field)]
     if not (bad := [field for field in bad if field not in MACHINE_FIELDS]):
         return
     field, value = bad[0], getattr(released, bad[0])
     if field in fields_of(flags):
         whose = f"variant {variant} sets {flag_text(field, value)}"
-    elif field in fields_of(PAPER_PROTOCOL):
-        whose = f"the paper's protocol sets {flag_text(field, value)}"
+    elif field in fields_of(protocol):
+        whose = f"{EXPERIMENTS[name]['named']} protocol sets {flag_text(field, value)}"
     else:
         whose = f"its runs have {flag_text(field, value)}"
     allowed = ", ".join(flag(field) for field in MACHINE_FIELDS)
@@ -341,7 +342,7 @@ def plan_jobs(opts, common: list):
         opts.games = list(module.PROCGEN_GAMES)  # the paper's 16
     if hasattr(module, "PROCGEN_GAMES") and (unknown := [g for g in opts.games if g not in module.PROCGEN_GAMES]):
         sys.exit(f"error: --games: {unknown} are not Procgen games ({', '.join(module.PROCGEN_GAMES)})")
-    protocol = shlex.split(PAPER_PROTOCOL) if opts.experiment else []
+    protocol = shlex.split(EXPERIMENTS[opts.experiment]["protocol"]) if opts.experiment else []
     if bad := grid_fields_set(module, common, "flags after --"):
         if opts.experiment:
             sys.exit(
@@ -844,7 +845,7 @@ def print_plan(opts, script: str, jobs: list, module, methods_args: dict) -> lis
         listed = ", ".join(f"{name} ({flags or 'the defaults'})" for name, flags in variants.items())
         print(
             f"experiment {opts.experiment}: {len(opts.games)} games x variants {listed} x seeds {opts.seeds}; "
-            f"every run: {PAPER_PROTOCOL}"
+            f"every run: {EXPERIMENTS[opts.experiment]['protocol']}"
         )
     gpus = opts.gpus_per_job if opts.cluster == "slurm" else gpu_count(opts)
     print(resources_line(opts, gpus))
