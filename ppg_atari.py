@@ -27,6 +27,8 @@ NUM_ACTIONS = 18  # the full action set, for the memory check
 # A state's activations in a network's update, fp32: 0.29 MB (docs/runs.md) + 25%
 ACTIVATION_BYTES = 360_000
 SCRIPT = os.path.basename(__file__)
+BASE_SCRIPT = "ppg_atari.py"  # the script this file is, or was copied from
+RETIRED_FLAGS = {"torch_deterministic": True}  # flags of older versions, fixed at the one value they took
 
 
 @dataclasses.dataclass
@@ -45,6 +47,7 @@ class Args:
     max_episode_frames: int = 108_000  # a game's most frames (30 minutes)
     total_timesteps: int = 10_000_000  # env steps (rounded up to whole rollouts)
     learning_rate: float = 2.5e-4  # Adam's rate in both phases (constant)
+    anneal_lr: bool = False  # if toggled, anneal the learning rate linearly to 0 over the run (PPO's Atari recipe)
     num_envs: int = 8  # parallel envs
     num_steps: int = 128  # steps of each env in a rollout
     gamma: float = 0.99  # discount of GAE and the value targets
@@ -474,6 +477,12 @@ def resume_args(args: Args, given: set):
             raise ValueError(f"written by {state['script']}")
     except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
+    for name, value in RETIRED_FLAGS.items():  # an older version's flag, at the value it is fixed at: dropped
+        old = state["args"].pop(name, value)
+        if old != value:
+            flag = f"--{name.replace('_', '-')} {old}"
+            sys.exit(f"error: --resume {path}: written with {flag}, a retired flag this version fixes at {value}")
+    state.setdefault("same", {})  # written before the conditions were recorded: none to compare
     unknown = sorted(state["args"].keys() - vars(Args()).keys())
     if unknown:
         sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")
@@ -561,7 +570,7 @@ def setup(args: Args, given: set):
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = run_dir or f"runs/{run_name}"
     wandb_id = open_run_folder(args, ckpt, run_dir, run_name)
-    header = dict(script=SCRIPT, run_name=run_name, args=flags, wandb_id=wandb_id, same=same)
+    header = dict(script=SCRIPT, base_script=BASE_SCRIPT, run_name=run_name, args=flags, wandb_id=wandb_id, same=same)
     print(f"run {run_name} on {device}, precision {args.precision}")
     batch_size, iterations = args.num_envs * args.num_steps, plan["num_iterations"]
     print(
