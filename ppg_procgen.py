@@ -540,6 +540,8 @@ def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: st
 
             config = dict(config=vars(args), name=run_name, id=wandb_id, resume="allow", sync_tensorboard=True)
             wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **config).id
+            # The code that ran, kept with the run (a hacked copy too): a copy, not a link to a file that may change
+            wandb.save(shutil.copy(__file__, wandb.run.dir), base_path=wandb.run.dir, policy="now")
         except Exception as e:  # not installed, no login, no network
             if not ckpt:
                 shutil.rmtree(run_dir)  # its lock alone
