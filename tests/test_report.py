@@ -286,6 +286,7 @@ def test_a_run_is_the_released_run_of_its_variant_only_with_every_released_flag(
         "--gamma": "0.99",
         "--gae-lambda": "0.9",
         "--learning-rate": "3e-4",
+        "--anneal-lr": None,
         "--num-minibatches": "4",
         "--clip-coef": "0.1",
         "--ent-coef": "0.02",

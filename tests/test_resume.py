@@ -127,19 +127,22 @@ def test_a_run_stopped_by_sigterm_before_a_checkpoint_lands_resumes_as_the_run_u
     assert_the_unbroken_run(run, unbroken)
 
 
-def test_a_checkpoint_of_an_older_version_is_refused_in_one_line(unbroken, tmp_path, monkeypatch):
-    """The unbroken run's checkpoint as a version before this one wrote it (a flag since removed, --anneal-lr, and no
-    env states or random streams): a resume stops in one line naming the flag, before any env exists."""
+def test_a_checkpoint_of_an_older_version_with_a_retired_flag_at_another_value_is_refused_in_one_line(
+    unbroken, tmp_path, monkeypatch
+):
+    """The unbroken run's checkpoint as a version before this one wrote it (--torch-deterministic, retired since at
+    True, here off, and no env states or random streams): a resume stops in one line naming the flag and its value,
+    before any env exists. (At True it resumes: tests/test_older_checkpoints.py.)"""
     run = tmp_path / "runs" / unbroken.name
     shutil.copytree(unbroken, run)
     state = torch.load(run / "checkpoint.pt", weights_only=True)
     for key in ("envs", "python_rng", "numpy_rng", "torch_rng", "recent_returns"):
         state.pop(key)
-    state["args"]["anneal_lr"] = False
+    state["args"]["torch_deterministic"] = False
     torch.save(state, run / "checkpoint.pt")
     (tmp_path / "elsewhere").mkdir()
     message = refusal(load_script("ppg_procgen.py"), ["--resume", str(run)], tmp_path / "elsewhere", monkeypatch)
-    assert message.endswith("written with flags this version lacks: ['anneal_lr']"), message
+    assert message.endswith("written with --torch-deterministic False, a retired flag this version fixes at True")
 
 
 def test_the_reward_normaliser_goes_on_with_each_envs_running_return(script):

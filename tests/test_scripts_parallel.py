@@ -18,6 +18,7 @@ DIFFER = {
     "OBS_SHAPE": "the env's frames",
     "NUM_ACTIONS": "the env's action set",
     "ACTIVATION_BYTES": "the network's activations a state, measured for each",
+    "BASE_SCRIPT": "the name of each (a copy keeps its original's)",
     "make_plan": "the env flags' checks (Atari's env id)",
     "PPGAgent": "the network and its initialisation",
     "main": "the env's construction",

@@ -5,6 +5,8 @@ import fcntl
 import glob
 import json
 import os
+import pathlib
+import shutil
 import struct
 import subprocess
 import sys
@@ -87,8 +89,15 @@ def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_sa
     # --resume (one more rollout, in this process, W&B a recording stand-in): the checkpoint keeps the W&B id and
     # hands it back to wandb.init, which continues that run (this test's earlier form resumed a real offline W&B run
     # and read the same id back; that second W&B start cost the suite 12 s)
-    calls, fake = [], types.SimpleNamespace(run=None)
-    fake.init = lambda **kwargs: (calls.append(kwargs), setattr(fake, "run", types.SimpleNamespace(id=kwargs["id"])))
+    calls, fake = [], types.SimpleNamespace(run=None, save=lambda *args, **kwargs: None)
+    (tmp_path / "files").mkdir()
+
+    def init(**kwargs):  # as wandb.init: the run, also wandb.run
+        calls.append(kwargs)
+        fake.run = types.SimpleNamespace(id=kwargs["id"], dir=str(tmp_path / "files"))
+        return fake.run
+
+    fake.init = init
     monkeypatch.setitem(sys.modules, "wandb", fake)
     script = load_script(SCRIPT)
     main_in_process(script, ["--resume", str(run_dir), "--total-timesteps", "256"], tmp_path, monkeypatch)
@@ -97,6 +106,9 @@ def test_track_logs_every_tensorboard_scalar_offline_and_resume_continues_the_sa
     assert resumed["name"] == run_dir.name and resumed["config"]["total_timesteps"] == 256
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["global_step"] == 256
 
+    for fd in os.listdir("/proc/self/fd"):  # the run's lock, as the end of the process that trained it drops it
+        if os.path.realpath(f"/proc/self/fd/{fd}") == str(run_dir / "lock"):
+            os.close(int(fd))
     # a stretch resumed with --no-track (W&B never imported: an import would fail) keeps the id for a later --track
     monkeypatch.setitem(sys.modules, "wandb", None)
     flags = ["--resume", str(run_dir), "--total-timesteps", "320", "--no-track"]  # --no-track given, so kept
@@ -147,3 +159,21 @@ def test_track_starts_wandb_only_after_the_run_folder_is_claimed(tmp_path, monke
         main_in_process(script, [*TINY_FLAGS[SCRIPT], "--track"], tmp_path, monkeypatch)
     assert str(stopped.value.code).startswith(f"error: runs/{run_dir.name} is being trained") and calls == []
     assert [p.name for p in run_dir.iterdir()] == ["lock"]
+
+
+def test_track_keeps_the_script_that_ran_with_the_wandb_run(tmp_path):
+    """--track keeps the file that trained (here a copy under another name, as a hack is kept) with the W&B run: a copy
+    of it among the offline run's files, as it was when the run started, and a files record that uploads it at once."""
+    copy = tmp_path / "ppg_procgen_vlam.py"
+    shutil.copy(ROOT / "ppg_procgen.py", copy)
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    flags = ["--env-id", "dodgeball", "--num-envs", "2", "--num-steps", "16", "--n-pi", "1", "--total-timesteps", "32"]
+    argv = [sys.executable, str(copy), *flags, "--e-aux", "0", "--num-minibatches", "1", "--track"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = glob.glob(f"{tmp_path}/wandb/offline-run-*")
+    kept = pathlib.Path(run, "files", copy.name)
+    assert not kept.is_symlink() and kept.read_bytes() == copy.read_bytes()
+    (path,) = glob.glob(f"{run}/run-*.wandb")
+    files = [f.path for r in wandb_records(path) if r.WhichOneof("record_type") == "files" for f in r.files.files]
+    assert copy.name in files, files

@@ -2,9 +2,11 @@
 
     python tools/evaluate.py runs/{run_name}/checkpoint.pt --episodes 100 [--capture-video] [--seed 0] [--cpu]
 
-Takes a checkpoint (or an older version's --save-model file) of ppg_procgen.py or ppg_atari.py and rebuilds that
-script's network and envs from the run's saved flags (a flag added since the file was written takes its default, and
-one line says so).
+Takes a checkpoint (or an older version's --save-model file) of ppg_procgen.py, ppg_atari.py or a copy of either under
+another name, and rebuilds that script's network and envs from the run's saved flags (a flag added since the file was
+written takes its default, and one line says so; a flag retired since, at the value it is fixed at, is dropped). A copy
+is looked for in the folder its run was started from (the one holding runs/<run_name>/), then here, then in the
+repository root; --script PATH names it where it is elsewhere.
 Actions are sampled from the policy, as in training (not its most likely action). Each of
 min(episodes, 64) envs plays a fixed share of the episodes, its first ones: taking whichever
 episodes end first would favour short ones. Returns are raw game scores; on Atari, whole games.
@@ -19,7 +21,6 @@ returns beside the file, named by what they depend on, so that no evaluation rep
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -31,17 +32,9 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+from checkpoints import SCRIPTS, base_script, drop_retired, find_script, load_script  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 from scores import normalised_score  # noqa: E402
-
-SCRIPTS = ("ppg_procgen.py", "ppg_atari.py")
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(name).stem, ROOT / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def read_file(path: str) -> dict:
@@ -53,8 +46,8 @@ def read_file(path: str) -> dict:
     except Exception as e:  # truncated, or not a torch file at all
         sys.exit(f"error: {path}: not a readable checkpoint, perhaps truncated ({type(e).__name__})")
     script = state.get("script") if isinstance(state, dict) else None
-    if script not in SCRIPTS:
-        sys.exit(f"error: {path}: written by {script or 'something else'}, not by {' or '.join(SCRIPTS)}")
+    if script is None or base_script(state) is None:
+        sys.exit(f"error: {path}: written by {script or 'something else'}, not by {' or '.join(SCRIPTS)} or a copy")
     missing = {"run_name", "args", "agent"} - state.keys()
     if missing:
         sys.exit(f"error: {path}: not a whole checkpoint of {script}, it lacks {', '.join(sorted(missing))}")
@@ -66,6 +59,8 @@ def run_args(module, state: dict, path: str):
     line); a flag this version lacks stops with one line."""
     fields = [f.name for f in dataclasses.fields(module.Args)]
     state["args"].pop("save_model", None)  # a flag of older versions: checkpoint.pt holds the weights
+    if other := drop_retired(module, state["args"]):
+        sys.exit(f"error: {path}: written with {other[0]}, a flag {module.SCRIPT} has fixed at another value")
     if unknown := sorted(set(state["args"]) - set(fields)):
         sys.exit(f"error: {path}: written by a version of {module.SCRIPT} with flags this one lacks: {unknown}")
     for name in (name for name in fields if name not in state["args"]):
@@ -120,6 +115,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="offset of the env seeds, and seed of the action sampling")
     parser.add_argument("--capture-video", action="store_true", help="save videos of env 0 beside the report")
     parser.add_argument("--cpu", action="store_true", help="stay on the CPU even if a GPU is visible")
+    parser.add_argument("--script", metavar="PATH", help="the file of the script (a copy) that wrote the checkpoint")
     opts = parser.parse_args()
     if opts.episodes < 1:
         parser.error("--episodes must be at least 1")
@@ -137,7 +133,11 @@ def main() -> None:
     videos = os.path.join(folder, f"{stem}.videos-{settings}")
     if os.path.exists(out):
         sys.exit(f"error: {out} exists: evaluated before at this --episodes and --seed (remove it to evaluate again)")
-    module = load_script(state["script"])
+    script = find_script(state["script"], path, opts.script)
+    if script is None:
+        where = f"at {opts.script}" if opts.script else "beside its run, here or in the repository root"
+        sys.exit(f"error: {path}: written by {state['script']}, not found {where}: give its file with --script PATH")
+    module = load_script(script)
     args = run_args(module, state, path)
     # The device and TF32 setting as the script chooses them (TF32 only with --precision tf32)
     device = torch.device("cuda" if not opts.cpu and torch.cuda.is_available() else "cpu")
@@ -150,7 +150,7 @@ def main() -> None:
 
     n = min(opts.episodes, 64)
     seed = (args.seed + 2**30 + opts.seed) % (2**31 - n)  # wrapped below 2^31 - n, as the scripts wrap seeds
-    procgen = module.SCRIPT == "ppg_procgen.py"
+    procgen = base_script(state) == "ppg_procgen.py"  # a copy's envs are its original's
     env_class = module.ProcgenVecEnv if procgen else module.AtariVecEnv
     sets = {"games": ("whole games", {})}  # name: (description, the env class's level arguments)
     if procgen and args.num_levels == 0:
@@ -171,6 +171,7 @@ def main() -> None:
     )
     report = dict(
         script=module.SCRIPT,
+        base_script=base_script(state),
         env_id=args.env_id,
         checkpoint=path,
         run_name=state["run_name"],

@@ -11,7 +11,8 @@ The released results (phasic_policy_gradient/results/<folder>/progress-<game>.cs
 100M env steps, one EpRewMean row every 65,536 env steps) are --released, or those of the released code where the
 tests find it ($PPG_RELEASED_CODE, else ../phasic-policy-gradient, where the README clones it). A method is a variant
 of tools/experiments.py by its name (ppg, ppo, e-aux-2, ...); its released figures stand beside its runs only where
-each flag is the released value (RELEASED_RUN, the variant's own flags over it) or one of SAME_RUN's.
+each flag is the released value (RELEASED_RUN, the variant's own flags over it) or one of SAME_RUN's, and the runs are
+ppg_procgen.py's own (a copy's runs are reported, without the released figures).
 
 main() prints the report in steps, a function each: heading, 1. per_game_table, released_column_notes, 2. aggregate,
 aggregate_table, ranking, early_rows_notes, comparison (--compare), 3. our_curves, draw. Writes <folder>/report.md and
@@ -19,6 +20,7 @@ aggregate_table, ranking, early_rows_notes, comparison (--compare), 3. our_curve
 """
 
 import argparse
+import functools
 import glob
 import logging
 import math
@@ -37,6 +39,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 logging.getLogger("tensorboard").setLevel(logging.ERROR)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from checkpoints import ROOT, load_script, retired_flags  # noqa: E402
 from experiments import EXPERIMENTS, RELEASED_EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 from released import CLONE_COMMAND, released_root  # noqa: E402
@@ -64,7 +67,9 @@ TEST_TAG = "charts/test_episodic_return"  # a run with --num-levels > 0: the fin
 # (tools/experiments.py) replace these.
 RELEASED_RUN = dict(distribution_mode="hard", num_levels=0, start_level=0)  # all levels from 0 (envs.py's defaults)
 RELEASED_RUN.update(num_envs=256, aux_mb_trajectories=16, num_steps=256, gamma=0.999, gae_lambda=0.95)
-RELEASED_RUN.update(learning_rate=5e-4)  # lr and aux_lr, constant
+RELEASED_RUN.update(learning_rate=5e-4, anneal_lr=False)  # lr and aux_lr, constant
+# A flag that some versions lacked, with the value a checkpoint of such a version ran at: no --anneal-lr, a constant rate
+ABSENT_MEANS = dict(anneal_lr=False)
 RELEASED_RUN.update(num_minibatches=8, clip_coef=0.2, kl_penalty=0.0, ent_coef=0.01)
 RELEASED_RUN.update(norm_reward=True, reward_norm_gamma=0.99, max_grad_norm=0.0)  # reward_normalizer.py; no clipping
 RELEASED_RUN.update(arch="dual", n_pi=32, e_pi=1, e_v=1, e_aux=6, beta_clone=1.0)
@@ -106,13 +111,24 @@ def released_flags(variant: str) -> dict:
     return flags
 
 
+@functools.cache
+def retired() -> dict:
+    """ppg_procgen.py's retired flags (RETIRED_FLAGS): older checkpoints hold them, at the one value this version has."""
+    return retired_flags(load_script(ROOT / "ppg_procgen.py"))
+
+
 def differences_from_released(run: dict) -> list:
-    """Why a run is not the released run of its method: ['--num-envs 64 (released: 256)', ...]; [] if it is."""
+    """Why a run is not the released run of its method: ['--num-envs 64 (released: 256)', ...]; [] if it is. A retired
+    flag at the value it is fixed at is the released value; a run of a copy of the script (its `script`) is none."""
     if run["method"] not in VARIANTS:
         return [f"no released variant is named {run['method']}"]
     released, differences = released_flags(run["method"]), []
+    released.update({name: value for name, value in retired().items() if name in run["flags"]})
+    if run.get("script", "ppg_procgen.py") != "ppg_procgen.py":  # a hacked copy: its code is not the released code
+        differences.append(f"--script {run['script']} (released: ppg_procgen.py)")
     for name in [*released, *(n for n in run["flags"] if n not in released and n not in SAME_RUN)]:
-        have, want = run["flags"].get(name, "not in its checkpoint"), released.get(name, "no such flag")
+        have = run["flags"].get(name, ABSENT_MEANS.get(name, "not in its checkpoint"))
+        want = released.get(name, "no such flag")
         if have != want:
             differences.append(f"--{name.replace('_', '-')} {have} (released: {want})")
     return differences
@@ -134,7 +150,8 @@ def read_runs(folder: pathlib.Path, methods=None) -> list:
         if not found:
             print(f"{job.name}: no checkpoint yet, left out")
             continue
-        flags = torch.load(found[-1], map_location="cpu", weights_only=True)["args"]
+        state = torch.load(found[-1], map_location="cpu", weights_only=True)
+        flags = state["args"]
         acc = EventAccumulator(os.path.dirname(found[-1]), size_guidance={"scalars": 0})
         acc.Reload()
         tags = acc.Tags()["scalars"]
@@ -145,7 +162,7 @@ def read_runs(folder: pathlib.Path, methods=None) -> list:
         run = dict(game=game, method=method, seed=int(seed), flags=flags, steps=steps, returns=returns, last=last)
         tests = sorted(acc.Scalars(TEST_TAG), key=lambda e: e.step) if TEST_TAG in tags else []  # unseen levels
         run.update(test_steps=np.array([e.step for e in tests]), test_returns=np.array([e.value for e in tests]))
-        runs.append(run)
+        runs.append(dict(run, script=state.get("script", "ppg_procgen.py")))  # a copy's own name
     return runs
 
 

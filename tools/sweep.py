@@ -65,6 +65,7 @@ import submitit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))  # the tools' own modules
+from checkpoints import base_script  # noqa: E402
 from experiments import EXPERIMENTS  # noqa: E402
 from helptext import DefaultsHelpFormatter  # noqa: E402
 
@@ -105,7 +106,10 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--name", help="the sweep's name: its runs go to <root>/<name>/ (an experiment's: its name)")
     parser.add_argument(
-        "--script", choices=("ppg_procgen.py", "ppg_atari.py"), help="the training script (default: ppg_procgen.py)"
+        "--script",
+        metavar="PATH",
+        help="the training script: ppg_procgen.py, ppg_atari.py or a copy of either (a name not found here is looked "
+        "for in the repository root; default: ppg_procgen.py)",
     )
     parser.add_argument("--games", nargs="+", help="env ids (Procgen games, or Atari ids); all: the 16 Procgen games")
     parser.add_argument("--seeds", nargs="+", type=int, help="each run's --seed (default: 1 2 3)")
@@ -330,8 +334,12 @@ def check_experiment(module, name: str, variant: str, args) -> None:
 
 def plan_jobs(opts, common: list):
     """Every (game, method, seed) as (folder, flags, planned steps), each checked against the script."""
-    script = ROOT / opts.script
+    script = pathlib.Path(opts.script).resolve() if pathlib.Path(opts.script).is_file() else ROOT / opts.script
+    if not script.is_file():
+        sys.exit(f"error: --script {opts.script}: no such file, here or in the repository root")
     module = load_script(script)
+    if not all(hasattr(module, name) for name in ("Args", "make_plan", "resume_args")):
+        sys.exit(f"error: --script {opts.script}: not ppg_procgen.py, ppg_atari.py or a copy of either")
     methods = define_methods(opts)
     for name in ("games", "seeds", "methods"):  # one folder a run: a value given twice would run two jobs in one folder
         if twice := sorted({str(v) for v in getattr(opts, name) if getattr(opts, name).count(v) > 1}):
@@ -773,7 +781,7 @@ def recorded_jobs(opts) -> list:
         total = read_record(folder).get("total")
         _, state = last_checkpoint(folder)
         if total is None and state is not None:  # a run submitted before plans were recorded
-            module = load_script(ROOT / state["script"])
+            module = load_script(ROOT / (base_script(state) or state["script"]))  # a copy plans as its original
             known = {k: v for k, v in state["args"].items() if k in {f.name for f in dataclasses.fields(module.Args)}}
             total = planned_steps(module, dataclasses.replace(module.Args(), **known))
         jobs.append((folder, [], total))
