@@ -20,15 +20,16 @@ def tiny(script, *extra):
 
 
 def wrap(monkeypatch, owner, name, before=None, after=None):
-    """Replace owner.name by a function that calls before(*args), the original, then after(result, *args)."""
+    """Replace owner.name by a function that calls before(*args), the original, then after(result, *args), with the
+    call's positional arguments."""
     real = getattr(owner, name)
 
     def wrapped(*args, **kwargs):
         if before:
-            before(*args, **kwargs)
+            before(*args)
         result = real(*args, **kwargs)
         if after:
-            after(result, *args, **kwargs)
+            after(result, *args)
         return result
 
     monkeypatch.setattr(owner, name, wrapped)
@@ -89,7 +90,7 @@ def recorded(request, tmp_path_factory):
             mp,
             script,
             "auxiliary_phase",
-            before=lambda agent, opt, buffers, args, **kw: rec["targets"].append(buffers["returns"].clone()),
+            before=lambda agent, opt, buffers, *a, **kw: rec["targets"].append(buffers["returns"].clone()),
         )
         wrap(mp, script, "gradient_step", before=lambda agent, opt, *a: rec["steps"].append((phase[0], opt)))
         wrap(mp, script, "compute_gae", before=lambda rewards, *a: rec["gae_rewards"].append(rewards.clone()))
@@ -112,7 +113,7 @@ def recorded(request, tmp_path_factory):
                 mp,
                 script,
                 "collect_rollout",
-                before=lambda a, e, o, ro, s: waits.buffers.update(
+                before=lambda a, e, o, ro, *rest: waits.buffers.update(
                     {k: v for k, v in ro.items() if k not in waits.buffers}
                 ),
             )
