@@ -8,6 +8,8 @@ lines); a change to the algorithm seldom needs to touch it.
 
 import dataclasses
 import fcntl
+import glob
+import importlib.util
 import math
 import os
 import random
@@ -16,7 +18,7 @@ import signal
 import sys
 import time
 from collections import defaultdict, deque
-from typing import Dict, Literal, NamedTuple, Optional
+from typing import Dict, List, Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -50,8 +52,11 @@ class Args:
     distribution_mode: Literal["easy", "hard"] = "easy"  # the levels' difficulty (the PPG paper trains on hard)
     num_levels: int = 0  # the number of training levels (0: the full distribution of levels)
     start_level: int = 0  # the seed of the first training level
+    # With --num-levels above 0: envs that play unseen levels beside training (unset: --num-envs of them; 0: none)
+    num_test_envs: Optional[int] = None
     total_timesteps: int = 25_000_000  # env steps to train for (rounded up to whole rollouts)
     learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant, as in the released code)
+    anneal_lr: bool = False  # if toggled, anneal the learning rate linearly to 0 over the run (PPO's Atari recipe)
     num_envs: int = 64  # parallel envs (the paper: 256, with 16 trajectories per auxiliary minibatch)
     num_steps: int = 256  # steps of each env per rollout
     gamma: float = 0.999  # the discount of GAE and of the value targets
@@ -291,9 +296,9 @@ def buffer_fields(num_actions: int):
 
 # The rollout -------------------------------------------------------------------------------------
 @torch.no_grad()
-def collect_rollout(agent: PPGAgent, envs, next_obs, ro: Dict, step: int):
-    """Plays num_steps steps of every env into the rollout's rows `ro` of B. Returns the next observations, their V
-    (to bootstrap the targets) and the episodes that ended, each as (env step, return, length)."""
+def collect_rollout(agent: PPGAgent, envs, next_obs, ro: Dict, step: int, progress=None, test_envs=None):
+    """Plays num_steps steps of every env (and of the test envs, if any) into the rollout's rows `ro` of B. Returns the
+    next observations, their V (to bootstrap the targets) and the finished episodes as (env step, return, length)."""
     episodes = []
     rewards = np.zeros(ro["raw_rewards"].shape, np.float32)
     ended = np.zeros(ro["ended"].shape, bool)
@@ -312,6 +317,10 @@ def collect_rollout(agent: PPGAgent, envs, next_obs, ro: Dict, step: int):
         step += envs.num_envs
         for _, ep_return, length in finished:
             episodes.append((step, ep_return, length))
+        if test_envs is not None:  # unseen levels, played by the same policy in step with training
+            test_envs.step(agent, step)
+        if progress is not None:
+            progress.tick("rollout", (t + 1) * envs.num_envs, ro["obs"].shape[:2].numel(), "env steps")
     ro["raw_rewards"].copy_(torch.from_numpy(rewards))
     ro["ended"].copy_(torch.from_numpy(ended))
     return next_obs, agent(next_obs).value, episodes
@@ -368,7 +377,8 @@ def compute_gae(rewards, values, ended, next_value, gamma: float, lam: float):
 
 
 def compute_targets(ro: Dict, next_value, args: Args, reward_normalizer: RewardNormalizer):
-    """Writes the rollout's rewards, value targets V_hat and advantages (normalised over the rollout) into B."""
+    """Writes the rollout's rewards, value targets V_hat and advantages (normalised over the rollout) into B.
+    Returns the explained variance of V_hat by the values V, 1 - Var(V_hat - V) / Var(V_hat) (nan if Var(V_hat) is 0)."""
     raw, ended, values = ro["raw_rewards"].cpu(), ro["ended"].cpu(), ro["values"].cpu()
     rewards = raw
     if args.norm_reward:
@@ -379,13 +389,14 @@ def compute_targets(ro: Dict, next_value, args: Args, reward_normalizer: RewardN
     ro["rewards"].copy_(rewards)
     ro["returns"].copy_(returns)
     ro["advantages"].copy_((advantages - mean) / (math.sqrt(var) + 1e-8))
+    var_returns = moments(returns)[2]
+    return 1 - moments(returns - values)[2] / var_returns if var_returns > 0 else math.nan
 
 
 # The two phases ----------------------------------------------------------------------------------
 def gradient_step(agent: PPGAgent, optimizer, mb: Dict, args: Args, chunk_size: int, loss_fn, policy, value):
-    """One optimizer step on the mean of loss_fn over the minibatch mb. `policy` and `value` say which networks run
-    and which loss terms count. The minibatch goes through in chunks of chunk_size states (0: whole), each chunk's
-    loss weighted by its share of mb: less memory, the same gradient."""
+    """One optimizer step on the mean of loss_fn over the minibatch mb, taken in chunks of chunk_size states (0: whole),
+    each weighted by its share of mb: less memory, the same gradient. `policy` and `value` say which networks run."""
     n, stats = mb["obs"].shape[0], {}
     size = chunk_size or n
     for start in range(0, n, size):
@@ -407,45 +418,49 @@ def gradient_step(agent: PPGAgent, optimizer, mb: Dict, args: Args, chunk_size: 
     return stats
 
 
-def ppo_epochs(agent: PPGAgent, optimizer, batch: Dict, args: Args, chunk_size: int, epochs: int, policy, value, logs):
+def ppo_epochs(agent: PPGAgent, optimizer, batch: Dict, args: Args, epochs, logs, chunk_size, progress, policy, value):
     """`epochs` passes over the rollout in num_minibatches random minibatches, training as `policy` and `value` say."""
     n = batch["obs"].shape[0]
-    for _ in range(epochs):
-        for idx in torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches):
+    for epoch in range(epochs):
+        for i, idx in enumerate(torch.randperm(n, device=batch["obs"].device).split(n // args.num_minibatches)):
             mb = {k: v[idx] for k, v in batch.items() if k != "pi_old_logits"}
             stats = gradient_step(agent, optimizer, mb, args, chunk_size, policy_phase_loss, policy, value)
             for k, v in stats.items():
                 logs[k].append(v)
+            if progress is not None:
+                progress.tick("update", epoch * args.num_minibatches + i + 1, epochs * args.num_minibatches, "steps")
 
 
-def policy_phase_update(agent: PPGAgent, optimizer, batch: Dict, args: Args, value_optimizer=None, chunk_size=0):
+def policy_phase_update(agent, optimizer, batch: Dict, args: Args, value_optimizer=None, chunk_size=0, progress=None):
     """The E_pi policy epochs and E_V value epochs on one rollout, as in the released code."""
     logs = defaultdict(list)
     if args.e_pi == args.e_v:  # each step trains both networks, on the sum of their losses
-        ppo_epochs(agent, optimizer, batch, args, chunk_size, args.e_pi, policy=True, value=True, logs=logs)
+        ppo_epochs(agent, optimizer, batch, args, args.e_pi, logs, chunk_size, progress, policy=True, value=True)
     else:  # the value network's epochs first, with an Adam of their own, then the policy network's
-        ppo_epochs(agent, value_optimizer, batch, args, chunk_size, args.e_v, policy=False, value=True, logs=logs)
-        ppo_epochs(agent, optimizer, batch, args, chunk_size, args.e_pi, policy=True, value=False, logs=logs)
+        ppo_epochs(agent, value_optimizer, batch, args, args.e_v, logs, chunk_size, progress, policy=False, value=True)
+        ppo_epochs(agent, optimizer, batch, args, args.e_pi, logs, chunk_size, progress, policy=True, value=False)
     return minibatch_means(logs, "policy phase")
 
 
-def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict, args: Args, chunk_size: int = 0):
+def auxiliary_phase(agent: PPGAgent, optimizer, buffers: Dict, args: Args, chunk_size: int = 0, progress=None):
     """Stores pi_old in B, then trains both networks for E_aux epochs on minibatches of whole trajectories. With
     --aux-kl-stop, the phase ends after an epoch whose mean KL(pi_old || pi) exceeds it. Returns each epoch's means."""
     obs, epochs = buffers["obs"], []
-    # pi_old is the policy as the policy phase left it, stored as logits: so KL(pi_old || pi) is exactly 0 before the
-    # first auxiliary step
+    # pi_old is the policy as the policy phase left it, kept as logits
     states = chunk_size or args.aux_mb_trajectories * args.num_steps
     with torch.no_grad():
         logits = [agent(part, value=False).logits for part in obs.flatten(0, 1).split(states)]
         buffers["pi_old_logits"].copy_(torch.cat(logits).view(*obs.shape[:2], -1))
     for epoch in range(1, args.e_aux + 1):
         logs, epoch_start = defaultdict(list), time.time()
-        for rows in torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories):
+        minibatches = torch.randperm(obs.shape[0], device=obs.device).split(args.aux_mb_trajectories)
+        for i, rows in enumerate(minibatches):
             mb = {k: v[rows].flatten(0, 1) for k, v in buffers.items()}
             stats = gradient_step(agent, optimizer, mb, args, chunk_size, aux_phase_loss, policy=True, value=True)
             for k, v in stats.items():
                 logs[k].append(v)
+            if progress is not None:
+                progress.tick(f"aux epoch {epoch}", i + 1, len(minibatches), "minibatches")
         means = minibatch_means(logs, "auxiliary phase")
         epochs.append(means)
         losses = f"aux_value_loss {means['aux_value_loss']:.4f} clone_kl {means['clone_kl']:.5f}"
@@ -461,11 +476,12 @@ def main(args: Args, given: set):
     run = setup(args, given)  # the flags checked, the run's folder, lock and log opened: below the banner
     if run is None:
         return
+    stop_on_signals(run)  # from here on, SIGTERM and Ctrl-C stop the run with a line that says how to resume it
     args, plan, device, chunk_size = run.args, run.plan, run.device, run.chunk_size
     phase = run.ckpt["phase"] if run.ckpt else 0
     global_step = run.ckpt["global_step"] if run.ckpt else 0
     batch_size = args.num_envs * args.num_steps
-    iteration = global_step // batch_size
+    iteration = start_iteration = global_step // batch_size
     seed = seed_everything(args, phase)
     envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
     agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi and theta_V
@@ -479,59 +495,93 @@ def main(args: Args, given: set):
     recent_returns = deque(maxlen=100)
     stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
     stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer, envs=envs)
+    test_envs = make_test_envs(args, seed, device, run.writer)  # unseen levels, with --num-levels above 0
+    if test_envs is not None:
+        stateful["test_envs"] = test_envs
     if run.ckpt:
-        restore(run.ckpt, stateful, recent_returns)
-        print(f"resumed from {run.dir}/checkpoint.pt after phase {phase}, step {global_step:,}; {envs.RESUME}")
-    stop_on_signals(run.dir)
+        restore(run, stateful, recent_returns)
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    clock = Progress(plan, batch_size, global_step)
+    progress = Progress(plan, batch_size, global_step)
     try:
         while iteration < plan["num_iterations"]:
             phase, phase_start = phase + 1, time.time()
             # The policy phase: N_pi rollouts, each followed by E_pi policy epochs and E_V value epochs
             for i in range(min(args.n_pi, plan["num_iterations"] - iteration)):
                 iteration += 1
+                if args.anneal_lr:
+                    lr = anneal_learning_rate(optimizers, args, iteration, plan["num_iterations"])
+                    run.writer.add_scalar("charts/learning_rate", lr, global_step)
                 # Rollout i fills rows i * num_envs to (i + 1) * num_envs of B (views into it); without an
                 # auxiliary phase, B holds one rollout
                 slot = i if plan["aux_phases"] else 0
                 ro = {k: v[slot * args.num_envs : (slot + 1) * args.num_envs] for k, v in buffers.items()}
-                next_obs, next_value, episodes = collect_rollout(agent, envs, next_obs, ro, global_step)
+                next_obs, next_value, episodes = collect_rollout(
+                    agent, envs, next_obs, ro, global_step, progress, test_envs
+                )
                 global_step += batch_size
-                compute_targets(ro, next_value, args, reward_normalizer)
+                explained_variance = compute_targets(ro, next_value, args, reward_normalizer)
                 for step, ep_return, length in episodes:
                     run.writer.add_scalar("charts/episodic_return", ep_return, step)
                     run.writer.add_scalar("charts/episodic_length", length, step)
                     recent_returns.append(ep_return)
                 batch = {k: v.flatten(0, 1) for k, v in ro.items()}
-                stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer, chunk_size)
-                for name, value in stats.items():
+                stats = policy_phase_update(agent, policy_optimizer, batch, args, value_optimizer, chunk_size, progress)
+                for name, value in dict(stats, explained_variance=explained_variance).items():
                     run.writer.add_scalar("losses/" + name, value, global_step)
-                clock.rollout_done(run.writer, phase, iteration, global_step, recent_returns)
+                progress.rollout_done(run.writer, phase, iteration, global_step, recent_returns, test_envs)
             # The auxiliary phase: pi_old, then E_aux epochs over B (none after the last rollout)
             aux_epochs, aux_start = [], time.time()
             if args.e_aux > 0 and iteration < plan["num_iterations"]:
-                aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args, chunk_size=chunk_size)
-            for name, value in (aux_epochs[-1] if aux_epochs else {}).items():  # the last epoch's means
-                run.writer.add_scalar("aux_phase/" + name, value, global_step)
+                aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args, chunk_size, progress)
+            log_aux_phase(run.writer, aux_epochs, global_step, args.e_aux)
             print(f"phase {phase} done in {time.time() - phase_start:.1f}s (aux {time.time() - aux_start:.1f}s)")
             # The end of a phase is where a resumed run goes on from. The log is flushed first, so that a kill
             # after the checkpoint loses none of the phase's log.
             run.writer.flush()
             save_checkpoint(run.dir, dict(run.header, phase=phase, global_step=global_step), stateful, recent_returns)
     finally:
-        run.writer.close()
+        close_run(run, trained=iteration > start_iteration)
     envs.env.close()
-    path = os.path.join(run.dir, "checkpoint.pt")
-    print(f"checkpoint: {path}; evaluate it: python tools/evaluate.py {path}")
+    path = os.path.abspath(os.path.join(run.dir, "checkpoint.pt"))
+    print(f"checkpoint: {path}; evaluate it: {sys.executable} {os.path.join(HERE, 'tools', 'evaluate.py')} {path}")
 
 
 # =====================================================================================================================
-# The run's plumbing: flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals
-# and progress lines. Nothing below changes what the run computes.
+# The run's plumbing: seeds, flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints,
+# signals and progress lines. Nothing below changes what the run computes.
 # =====================================================================================================================
 
+BASE_SCRIPT = "ppg_procgen.py"  # the script this file is, or was copied from (checkpoints record it for the tools)
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Flags of older versions, fixed at the one value they always took: a checkpoint that holds one at that value resumes
+RETIRED_FLAGS = {"torch_deterministic": True}
+# Flags of CleanRL's ppg_procgen.py that this script names otherwise or lacks, with what to use instead
+CLEANRL_FLAGS = dict(
+    n_iteration="--n-pi",
+    e_policy="--e-pi",
+    v_value="--e-v",
+    e_auxiliary="--e-aux",
+    num_aux_rollouts="--aux-mb-trajectories",
+    n_aux_grad_accum="--micro-batch-size",
+    target_kl="--aux-kl-stop, which ends an auxiliary phase early (no flag ends the policy epochs early)",
+    capture_video="tools/evaluate.py CHECKPOINT --capture-video",
+    batch_size="--num-envs and --num-steps",
+    minibatch_size="--num-minibatches",
+    num_iterations="--total-timesteps",
+    num_phases="--total-timesteps and --n-pi",
+    aux_batch_rollouts="--n-pi",
+)
+# Flags of CleanRL's ppg_procgen.py for what this script always does, as the released code does
+CLEANRL_AS_RELEASED = ["torch_deterministic", "adv_norm_fullbatch", "clip_vloss", "vf_coef"]
 
-# Seeds -------------------------------------------------------------------------------------------
+
+def answer_cleanrl_flags(argv):
+    """Stops, in one line, on a flag of CleanRL's ppg_procgen.py that this script does not have."""
+    for name in sorted(named_flags(argv) & {*CLEANRL_FLAGS, *CLEANRL_AS_RELEASED}):
+        what = f"use {CLEANRL_FLAGS[name]}" if name in CLEANRL_FLAGS else "drop it: this script always does as released"
+        sys.exit(f"error: --{name.replace('_', '-')} is a flag of CleanRL's ppg_procgen.py: {what}")
+
+
 def seed_everything(args: Args, phase: int) -> int:
     """Seeds python, numpy and torch, and returns the seed of the envs.
 
@@ -547,6 +597,16 @@ def seed_everything(args: Args, phase: int) -> int:
     torch.manual_seed(seed)
     torch.backends.cudnn.deterministic = True
     return seed
+
+
+def anneal_learning_rate(optimizers, args: Args, iteration: int, num_iterations: int):
+    """--anneal-lr: the rate of every optimizer falls linearly from --learning-rate at the first rollout towards 0 at
+    the last, as in PPO's Atari recipe."""
+    lr = args.learning_rate * (1.0 - (iteration - 1.0) / num_iterations)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    return lr
 
 
 def minibatch_means(logs: Dict, where: str):
@@ -574,6 +634,8 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0):
             rule, ok = "in [0, 2^31)", 0 <= value < 2**31
         if not ok:
             sys.exit(f"error: --{name.replace('_', '-')} must be a finite number {rule} (got {value})")
+    if importlib.util.find_spec("procgen") is None:
+        sys.exit("error: procgen is not installed: pip install procgen-mirror==0.10.7 (procgen==0.10.7 before 3.11)")
     if args.clip_coef == 0 and args.kl_penalty == 0:
         sys.exit("error: --clip-coef 0 leaves the policy step unbounded: add --kl-penalty 1")
     batch_size = args.num_envs * args.num_steps
@@ -603,19 +665,27 @@ def resume_args(args: Args, given: set):
     may_change that are given on the command line."""
     path = args.resume
     if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "checkpoint.pt")):
+            runs = sorted(glob.glob(os.path.join(path, "*", "checkpoint.pt")))
+            if runs:
+                example = os.path.dirname(runs[-1])
+                sys.exit(f"error: --resume {path}: a folder of runs, not a run: name one, as --resume {example}")
+            sys.exit(f"error: --resume {path}: no checkpoint (stopped before its first phase ended)")
         path = os.path.join(path, "checkpoint.pt")
-        if not os.path.exists(path):
-            sys.exit(f"error: --resume {args.resume}: no checkpoint (stopped before its first phase ended)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state["script"] != SCRIPT:
             raise ValueError(f"written by {state['script']}")
     except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
-    unknown = sorted(state["args"].keys() - vars(Args()).keys())
+    flags = {k: v for k, v in state["args"].items() if k not in RETIRED_FLAGS}
+    for name in sorted(state["args"].keys() & RETIRED_FLAGS.keys()):
+        if state["args"][name] != RETIRED_FLAGS[name]:
+            sys.exit(f"error: --resume {path}: written with {name}={state['args'][name]}, which this version lacks")
+    unknown = sorted(flags.keys() - vars(Args()).keys())
     if unknown:
         sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")
-    saved = dict(vars(Args()), **state["args"])
+    saved = dict(vars(Args()), **flags)
     may_change = "resume total_timesteps cuda micro_batch_size track wandb_project_name wandb_entity".split()
     for name in sorted(given & saved.keys()):
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
@@ -629,20 +699,22 @@ def resume_args(args: Args, given: set):
 
 class MemoryPlan(NamedTuple):
     chunk_size: int  # states per backward pass (0: whole minibatches)
-    buffer_bytes: int  # B's size
+    buffer_bytes: int  # the size of B
     chunk_bytes: float  # the activations of one chunk
 
 
 def memory_plan(args: Args, rows, free: float, on_gpu: bool) -> MemoryPlan:
     """Chooses the chunk size (--micro-batch-size unset: 256 on a CPU, the fastest measured there; on a GPU whole
-    minibatches if they fit, else the largest power of 2 that does), and stops the run if B and a chunk's
-    activations do not fit in the free memory."""
+    minibatches if they fit, else the largest power of 2 that does), and stops the run if B and the activations of
+    a chunk do not fit in the free memory (inf where it cannot be read: then nothing is checked)."""
     step_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in buffer_fields(NUM_ACTIONS).values())
     buffer_bytes = math.prod(rows) * step_bytes
     per_state = ACTIVATION_BYTES * (2 if args.arch == "dual" else 1)
     ppo_minibatch = args.num_envs * args.num_steps // args.num_minibatches
     largest = max(ppo_minibatch, args.aux_mb_trajectories * args.num_steps)
-    fits = int(max(free - buffer_bytes, 0) // per_state)
+    fits = largest
+    if math.isfinite(free):
+        fits = int(max(free - buffer_bytes, 0) // per_state)
     chunk = args.micro_batch_size
     if chunk is None and not on_gpu:
         chunk = 256
@@ -658,19 +730,28 @@ def memory_plan(args: Args, rows, free: float, on_gpu: bool) -> MemoryPlan:
 def free_memory(device):
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    meminfo = open("/proc/meminfo").read().split()
+    try:
+        with open("/proc/meminfo") as f:
+            meminfo = f.read().split()
+    except OSError:  # no /proc (macOS, say): the memory is not checked
+        return math.inf
     return 1024 * float(meminfo[meminfo.index("MemAvailable:") + 1])
 
 
 def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: str):
     """Creates the run's folder and locks it, and starts W&B with --track. Returns the W&B run's id."""
+    fresh = not os.path.exists(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     # One process per run: the kernel drops this lock however the process ends (kill -9 too)
-    lock = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT)
+    lock = os.open(os.path.join(run_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         sys.exit(f"error: {run_dir} is being trained by process {os.pread(lock, 12, 0).decode().strip()}")
+    except OSError as e:  # a filesystem without flock: Lustre mounted without -o flock, some NFS mounts
+        if fresh:
+            shutil.rmtree(run_dir)
+        sys.exit(f"error: cannot lock {run_dir}/lock ({e.strerror}): keep runs/ on a filesystem with flock")
     os.pwrite(lock, f"{os.getpid():<12}".encode(), 0)
     wandb_id = ckpt["wandb_id"] if ckpt else None
     if args.track:
@@ -679,6 +760,8 @@ def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: st
 
             config = dict(config=vars(args), name=run_name, id=wandb_id, resume="allow", sync_tensorboard=True)
             wandb_id = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, **config).id
+            # The script that ran, hacks and all, kept with the run: a copy, not a link to a file that may change
+            wandb.save(shutil.copy(__file__, wandb.run.dir), base_path=wandb.run.dir, policy="now")
         except Exception as e:  # not installed, not logged in, no network
             if not ckpt:
                 shutil.rmtree(run_dir)  # it holds the lock alone
@@ -696,6 +779,7 @@ class Run:
     writer: SummaryWriter
     header: Dict  # what every checkpoint of this process records beside the state
     chunk_size: int  # states per backward pass (memory_plan; 0: whole minibatches)
+    not_exact: list  # why a resumed run is not bit for bit the run unbroken (empty: it is)
 
 
 def setup(args: Args, given: set) -> Optional[Run]:
@@ -705,8 +789,10 @@ def setup(args: Args, given: set) -> Optional[Run]:
         args, ckpt, run_dir = resume_args(args, given)
     start_step = ckpt["global_step"] if ckpt else 0
     plan = make_plan(args, start_step, ckpt["phase"] if ckpt else 0)
-    if plan["num_iterations"] * args.num_envs * args.num_steps <= start_step:
-        print(f"{run_dir} is trained to step {start_step:,}: nothing to do")
+    batch_size, iterations = args.num_envs * args.num_steps, plan["num_iterations"]
+    if iterations * batch_size <= start_step:
+        budget = f"--total-timesteps {args.total_timesteps:,}"
+        print(f"{run_dir} is trained to step {start_step:,} ({budget}): raise --total-timesteps to train it on")
         return None
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
@@ -716,28 +802,35 @@ def setup(args: Args, given: set) -> Optional[Run]:
     # What a bit-identical resume needs to be the same. The chunk size is recorded under its flag's name.
     same = dict(threads=torch.get_num_threads(), torch=str(torch.__version__), micro_batch_size=memory.chunk_size)
     same["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    same["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()  # AVX2 and AVX512 kernels round differently
+    recorded = ckpt.get("same", {}) if ckpt else {}  # a checkpoint written before 14113e7 records no conditions
+    not_exact = [f"{k} {v} -> {same[k]}" for k, v in recorded.items() if v != same.get(k)]
+    if ckpt and not ckpt.get("exact", True):
+        not_exact.append("an earlier resume was not exact")
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = run_dir or f"runs/{run_name}"
     wandb_id = open_run_folder(args, ckpt, run_dir, run_name)
     # The flags are saved as given, so --micro-batch-size unset stays unset: a resume chooses its own chunk size
-    header = dict(script=SCRIPT, run_name=run_name, args=vars(args), wandb_id=wandb_id, same=same)
+    header = dict(script=SCRIPT, base_script=BASE_SCRIPT, run_name=run_name, args=vars(args), wandb_id=wandb_id)
+    header.update(same=same, exact=not not_exact)
     print(f"run {run_name} on {device}, precision {args.precision}")
-    batch_size, iterations = args.num_envs * args.num_steps, plan["num_iterations"]
+    aux_phases = plan["aux_phases"]
+    if ckpt:
+        aux_phases = f"{max(plan['num_phases'] - 1, 0) if args.e_aux else 0} ({plan['aux_phases']} still to run)"
     print(
         f"phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: {iterations} of {args.num_envs} envs"
-        f" x {args.num_steps} steps = {iterations * batch_size:,} env steps; aux phases: {plan['aux_phases']}"
+        f" x {args.num_steps} steps = {iterations * batch_size:,} env steps; aux phases: {aux_phases}"
     )
+    next_checkpoint = min((start_step // batch_size + args.n_pi) * batch_size, iterations * batch_size)
+    print(f"a checkpoint at the end of each phase; the next at env step {next_checkpoint:,}")
     mb, aux_mb = batch_size // args.num_minibatches, args.aux_mb_trajectories * args.num_steps
     print(f"PPO minibatch {mb} states, aux minibatch {aux_mb}; chunks of {memory.chunk_size or 'all'} states")
-    print(
-        f"B {memory.buffer_bytes / 2**30:.2f} GiB (uint8 frames), activations per chunk {memory.chunk_bytes / 2**30:.2f} GiB"
-    )
-    changed = [f"{k} {v} -> {same[k]}" for k, v in (ckpt or header)["same"].items() if v != same[k]]
-    if changed:
-        print(f"not bit for bit the run unbroken: {', '.join(changed)}")
+    print(f"B {memory.buffer_bytes / 2**30:.2f} GiB (uint8 frames); activations {memory.chunk_bytes / 2**30:.2f} GiB")
     # purge_step: a resumed run's log hides all that the stopped run logged after its checkpoint
     writer = SummaryWriter(run_dir, purge_step=start_step + 1 if ckpt else None)
-    return Run(args, ckpt, plan, device, run_dir, writer, header, memory.chunk_size)
+    table = "\n".join(f"|{name}|{value}|" for name, value in vars(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}", global_step=start_step)
+    return Run(args, ckpt, plan, device, run_dir, writer, header, memory.chunk_size, not_exact)
 
 
 def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
@@ -758,8 +851,12 @@ def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
     os.replace(path + ".tmp", path)
 
 
-def restore(ckpt: Dict, stateful: Dict, recent_returns):
+def restore(run: Run, stateful: Dict, recent_returns):
+    ckpt = run.ckpt
     for name, thing in stateful.items():
+        if name == "test_envs" and name not in ckpt:  # a checkpoint written before the test envs existed
+            run.not_exact.append("the test envs start afresh")
+            continue
         thing.load_state_dict(ckpt[name])
     random.setstate(ckpt["python_rng"])
     np.random.set_state(ckpt["numpy_rng"])
@@ -769,15 +866,21 @@ def restore(ckpt: Dict, stateful: Dict, recent_returns):
     recent_returns.extend(ckpt["recent_returns"])
     # An env that starts a new game on resume ends its episode there, so the discounted return that the reward
     # normaliser keeps for it starts again at 0, as at any episode's end
-    stateful["reward_normalizer"].ret[stateful["envs"].new_games] = 0.0
+    new_games = stateful["envs"].new_games
+    stateful["reward_normalizer"].ret[new_games] = 0.0
+    if new_games.any():
+        run.not_exact.append("each env starts a new game")
+    run.header["exact"] = not run.not_exact  # later checkpoints remember a resume that was not exact
+    how = "bit for bit the run unbroken" if run.header["exact"] else f"not exact: {'; '.join(run.not_exact)}"
+    print(f"resumed from {run.dir}/checkpoint.pt after phase {ckpt['phase']}, step {ckpt['global_step']:,}: {how}")
 
 
-def stop_on_signals(run_dir: str):
+def stop_on_signals(run: Run):
     """On SIGTERM or SIGINT (Ctrl-C), stops the run with a line that says how to resume it."""
 
     def stop(signum, frame):
-        how = f"resume with: python {SCRIPT} --resume {os.path.abspath(run_dir)}"
-        if not os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        how = f"resume with: {sys.executable} {os.path.join(HERE, SCRIPT)} --resume {os.path.abspath(run.dir)}"
+        if not os.path.exists(os.path.join(run.dir, "checkpoint.pt")):
             how = "no checkpoint had been written yet"
         os.write(sys.stdout.fileno(), f"\nstopped by {signal.Signals(signum).name}; {how}\n".encode())
         sys.exit(128 + signum)
@@ -786,23 +889,107 @@ def stop_on_signals(run_dir: str):
     signal.signal(signal.SIGINT, stop)
 
 
+def close_run(run: Run, trained: bool):
+    """Closes the log. A fresh run stopped before it trained on one rollout leaves no folder behind."""
+    run.writer.close()
+    if run.ckpt is None and not trained:
+        shutil.rmtree(run.dir, ignore_errors=True)
+        print(f"{run.dir} removed: the run stopped before its first rollout was trained on")
+
+
+def log_aux_phase(writer, epochs: List[Dict], global_step: int, e_aux: int):
+    """Logs the means of aux epoch k as aux/<name> at env step global_step - E_aux + k, the last steps before the
+    phase's checkpoint: a resumed run's log drops the steps after its checkpoint, so it keeps these and drops those
+    of an aux phase that a stopped run left unfinished. The last epoch's means also go to aux_phase/<name>."""
+    for epoch, means in enumerate(epochs, start=1):
+        for name, value in means.items():
+            writer.add_scalar("aux/" + name, value, global_step - e_aux + epoch)
+    for name, value in (epochs[-1] if epochs else {}).items():
+        writer.add_scalar("aux_phase/" + name, value, global_step)
+
+
+def duration(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 60 else f"{seconds}s"
+
+
 class Progress:
-    """The console's progress line and charts/SPS, once per rollout."""
+    """Progress lines on the console: one per rollout, and within long work (a rollout, an update, an aux epoch) one
+    whenever 20 seconds have passed since the last line, so that a slow run (the defaults on a CPU) shows that it is
+    alive. Reading the clock costs no wait for the device."""
 
     def __init__(self, plan: Dict, batch_size: int, start_step: int):
         self.plan, self.batch_size = plan, batch_size
         self.start_time, self.start_step = time.time(), start_step
+        self.last_line, self.work, self.done, self.work_start, self.first = time.time(), None, 0, 0.0, 0
 
-    def rollout_done(self, writer, phase: int, iteration: int, global_step: int, recent_returns):
+    def tick(self, work: str, done: int, total: int, unit: str):
+        now = time.time()
+        if work != self.work or done < self.done:  # new work: its rate is measured from here
+            self.work, self.work_start, self.first = work, now, done
+        self.done = done
+        if now - self.last_line < 20 or done == self.first:
+            return
+        left = (total - done) * (now - self.work_start) / (done - self.first)
+        print(f"  {work}: {done:,} of {total:,} {unit}, about {duration(left)} left", flush=True)
+        self.last_line = now
+
+    def rollout_done(self, writer, phase: int, iteration: int, global_step: int, recent_returns, test_envs=None):
         sps = (global_step - self.start_step) / (time.time() - self.start_time)
         writer.add_scalar("charts/SPS", int(sps), global_step)
         # The time left, at this process's mean rate
-        seconds = round((self.plan["num_iterations"] - iteration) * self.batch_size / sps)
-        eta = f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 60 else f"{seconds}s"
+        eta = duration((self.plan["num_iterations"] - iteration) * self.batch_size / sps)
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "- (none ended yet)"
+        if test_envs is not None:
+            test_returns = test_envs.recent_returns
+            mean_return += f" test return {np.mean(test_returns):.2f}" if test_returns else " test return -"
         where = f"phase {phase}/{self.plan['num_phases']} iter {iteration}/{self.plan['num_iterations']}"
         print(f"{where} step {global_step:,} SPS {sps:.0f} ETA {eta} return {mean_return}", flush=True)
+        self.last_line = time.time()
+
+
+class TestEnvs:
+    """The test envs of the generalization protocol, as train-procgen's test worker: with --num-levels above 0, they
+    play the full distribution of levels (unseen in training) with the current policy, actions sampled, one step per
+    training step, and log each finished episode as charts/test_episodic_return and charts/test_episodic_length. They
+    draw their actions from a random generator of their own and their envs take a seed of their own (seed + 1), so
+    the training run is the same, bit for bit, with or without them."""
+
+    def __init__(self, args: Args, count: int, seed: int, device, writer):
+        self.envs = ProcgenVecEnv(args, count, 0, args.start_level, seed + 1)
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.obs = torch.from_numpy(self.envs.reset()).to(device)
+        self.writer, self.recent_returns = writer, deque(maxlen=100)
+
+    @torch.no_grad()
+    def step(self, agent: PPGAgent, step: int):
+        logits = agent(self.obs, value=False).logits
+        actions = torch.multinomial(logits.softmax(-1), 1, generator=self.generator).squeeze(-1)
+        obs, _, _, finished = self.envs.step(actions.cpu().numpy())
+        self.obs = torch.from_numpy(obs).to(self.obs.device)
+        for _, ep_return, length in finished:
+            self.writer.add_scalar("charts/test_episodic_return", ep_return, step)
+            self.writer.add_scalar("charts/test_episodic_length", length, step)
+            self.recent_returns.append(ep_return)
+
+    def state_dict(self):
+        generator = self.generator.get_state()
+        return dict(envs=self.envs.state_dict(), generator=generator, recent_returns=list(self.recent_returns))
+
+    def load_state_dict(self, state):
+        self.envs.load_state_dict(state["envs"])
+        self.generator.set_state(state["generator"])
+        self.recent_returns.extend(state["recent_returns"])
+        self.obs = torch.from_numpy(self.envs.reset()).to(self.obs.device)
+
+
+def make_test_envs(args: Args, seed: int, device, writer) -> Optional[TestEnvs]:
+    count = args.num_envs if args.num_test_envs is None else args.num_test_envs
+    if args.num_levels == 0 or count == 0:  # the full distribution is trained on: no level is unseen
+        return None
+    return TestEnvs(args, count, seed, device, writer)
 
 
 if __name__ == "__main__":
+    answer_cleanrl_flags(sys.argv[1:])
     main(tyro.cli(Args), named_flags(sys.argv[1:]))
