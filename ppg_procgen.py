@@ -562,7 +562,7 @@ CLEANRL_FLAGS = dict(
     v_value="--e-v",
     e_auxiliary="--e-aux",
     num_aux_rollouts="--aux-mb-trajectories",
-    n_aux_grad_accum="--micro-batch-size",
+    n_aux_grad_accum="--aux-mb-trajectories for larger aux minibatches (--micro-batch-size saves memory)",
     target_kl="--aux-kl-stop, which ends an auxiliary phase early (no flag ends the policy epochs early)",
     capture_video="tools/evaluate.py CHECKPOINT --capture-video",
     batch_size="--num-envs and --num-steps",
@@ -681,7 +681,8 @@ def resume_args(args: Args, given: set):
     flags = {k: v for k, v in state["args"].items() if k not in RETIRED_FLAGS}
     for name in sorted(state["args"].keys() & RETIRED_FLAGS.keys()):
         if state["args"][name] != RETIRED_FLAGS[name]:
-            sys.exit(f"error: --resume {path}: written with {name}={state['args'][name]}, which this version lacks")
+            flag, fixed = f"--{name.replace('_', '-')} {state['args'][name]}", RETIRED_FLAGS[name]
+            sys.exit(f"error: --resume {path}: written with {flag}, a retired flag this version fixes at {fixed}")
     unknown = sorted(flags.keys() - vars(Args()).keys())
     if unknown:
         sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")
@@ -791,8 +792,7 @@ def setup(args: Args, given: set) -> Optional[Run]:
     plan = make_plan(args, start_step, ckpt["phase"] if ckpt else 0)
     batch_size, iterations = args.num_envs * args.num_steps, plan["num_iterations"]
     if iterations * batch_size <= start_step:
-        budget = f"--total-timesteps {args.total_timesteps:,}"
-        print(f"{run_dir} is trained to step {start_step:,} ({budget}): raise --total-timesteps to train it on")
+        print(f"{run_dir} is trained to step {start_step:,}: nothing to do (raise --total-timesteps above it to go on)")
         return None
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
@@ -816,7 +816,7 @@ def setup(args: Args, given: set) -> Optional[Run]:
     print(f"run {run_name} on {device}, precision {args.precision}")
     aux_phases = plan["aux_phases"]
     if ckpt:
-        aux_phases = f"{max(plan['num_phases'] - 1, 0) if args.e_aux else 0} ({plan['aux_phases']} still to run)"
+        aux_phases = f"{plan['aux_phases']} still to run"
     print(
         f"phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: {iterations} of {args.num_envs} envs"
         f" x {args.num_steps} steps = {iterations * batch_size:,} env steps; aux phases: {aux_phases}"

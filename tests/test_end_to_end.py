@@ -1,11 +1,12 @@
 """Tiny runs of each script as a user runs it, and the one-line errors for bad input."""
 
 import math
+import sys
 
 import pytest
 import torch
 
-from conftest import SCRIPTS, TINY_FLAGS, load_script, main_in_process, read_scalars, refusal, run_script
+from conftest import ROOT, SCRIPTS, TINY_FLAGS, load_script, main_in_process, read_scalars, refusal, run_script
 
 EXPECTED_TAGS = [
     "charts/episodic_return",
@@ -16,6 +17,9 @@ EXPECTED_TAGS = [
     "losses/entropy",
     "losses/approx_kl",
     "losses/clipfrac",
+    "losses/explained_variance",
+    "aux/aux_value_loss",
+    "aux/clone_kl",
     "aux_phase/aux_value_loss",
     "aux_phase/clone_kl",
     "aux_phase/joint_loss",
@@ -31,11 +35,11 @@ def check_tiny_run(stdout: str, scalars: dict, precision: str) -> None:
     """What every tiny run must show: the plan, every tag, finite losses, an aux phase in phase 1 alone, and a
     first minibatch whose ratio is 1 and a first aux epoch whose clone KL is 0 (the console's, to 5 decimals)."""
     assert "rollouts: 3 of" in stdout and "aux phases: 1\n" in stdout
-    # a line a rollout with its ETA, a line an aux epoch, and where the checkpoint is and how to evaluate it
+    # a line per rollout with its ETA, a line per aux epoch, and where the checkpoint is and how to evaluate it
     progress = [line for line in stdout.splitlines() if " iter " in line and " ETA " in line]
     assert len(progress) == 3 and progress[-1].split(" ETA ")[1].startswith("0s ")  # under a minute: in seconds
     assert len([line for line in stdout.splitlines() if line.startswith("aux epoch ")]) in (1, 2)
-    assert "/checkpoint.pt; evaluate it: python tools/evaluate.py runs/" in stdout
+    assert f"/checkpoint.pt; evaluate it: {sys.executable} {ROOT / 'tools' / 'evaluate.py'} /" in stdout
     assert f"precision {precision}\n" in stdout
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, missing

@@ -9,7 +9,8 @@ from conftest import ROOT
 
 # What each script has alone: its env wrapper, its network, and the definitions they use
 ONLY = {
-    "ppg_procgen.py": {"ProcgenVecEnv", "ImpalaEncoder", "ResidualBlock", "normed_init_", "PROCGEN_GAMES"},
+    "ppg_procgen.py": {"ProcgenVecEnv", "ImpalaEncoder", "ResidualBlock", "normed_init_", "PROCGEN_GAMES"}
+    | {"TestEnvs", "make_test_envs"},  # Procgen's test envs, on the levels that training does not play
     "ppg_atari.py": {"AtariVecEnv", "NatureEncoder", "orthogonal_init_", "ale_protocol"},
 }
 # Shared names whose text differs by design, and why
@@ -17,11 +18,12 @@ DIFFER = {
     "Args": "the env's flags and the defaults",
     "OBS_SHAPE": "the env's frames",
     "NUM_ACTIONS": "the env's action set",
-    "ACTIVATION_BYTES": "the network's activations a state, measured for each",
+    "ACTIVATION_BYTES": "the network's activations per state, measured for each",
     "BASE_SCRIPT": "the name of each (a copy keeps its original's)",
-    "make_plan": "the env flags' checks (Atari's env id)",
+    "make_plan": "the env flags' checks (Atari's env id; that procgen is installed)",
+    "collect_rollout": "Procgen's test envs step beside training",
     "PPGAgent": "the network and its initialisation",
-    "main": "the env's construction",
+    "main": "the env's construction, and Procgen's test envs",
 }
 
 

@@ -62,6 +62,14 @@ MIN_SEEDS = 2  # a method's seeds in every game for an interval: with one, every
 GAMES = sorted(NORMALISATION["hard"])  # the 16 Procgen games, each a released CSV
 TEST_TAG = "charts/test_episodic_return"  # a run with --num-levels > 0: the finished episodes of its test envs
 
+
+def test_envs_of(flags: dict) -> str:
+    """A run's number of test envs: --num-test-envs, whose unset value means as many as --num-envs."""
+    if "num_test_envs" not in flags:
+        return "not in its checkpoint"
+    return str(flags["num_envs"] if flags["num_test_envs"] is None else flags["num_test_envs"])
+
+
 # Every flag of ppg_procgen.py that makes a run the released one, at the released train.py's values (its README runs
 # `mpiexec -np 4`: 4 workers x 64 envs, 4 x 4 aux trajectories, in one process 256 and 16); a variant's own flags
 # (tools/experiments.py) replace these.
@@ -80,6 +88,7 @@ SAME_RUN = dict(seed="a seed is one of the runs", env_id="the game: a run a game
 SAME_RUN.update(total_timesteps="the budget: a shorter run is compared at its own step", resume="the same run, resumed")
 SAME_RUN.update(track="logging", wandb_project_name="logging", wandb_entity="logging", cuda="the device")
 SAME_RUN.update(micro_batch_size="chunks of a minibatch: the same update in another summation order")
+SAME_RUN.update(num_test_envs="test envs watch unseen levels: the run trains the same, bit for bit")
 # variant name -> (flags, released results folders), over the seven experiments (a name means one variant in all)
 VARIANTS = {
     name: (flags, exp["released"][name])
@@ -888,7 +897,7 @@ def generalization_report(opts, runs: list, games: list, methods: list) -> None:
     levels = " and ".join(
         f"{n} levels from {s}" for n, s in sorted({(r["flags"]["num_levels"], r["flags"]["start_level"]) for r in runs})
     )
-    tests = ", ".join(sorted({str(r["flags"].get("num_test_envs", "not in its checkpoint")) for r in runs}))
+    tests = ", ".join(sorted({test_envs_of(r["flags"]) for r in runs}))
     state, complete = sweep_state(opts, runs, games, methods)
     lines = [
         f"# Generalization report of {opts.folder}" + (f" (experiment {opts.experiment})" if opts.experiment else ""),
