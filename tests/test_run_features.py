@@ -309,8 +309,8 @@ def test_compute_targets_returns_the_explained_variance_of_v_hat(script):
 def test_explained_variance_is_logged_once_per_rollout(runs, name):
     """losses/explained_variance: at each rollout's last env step, compute_targets' value for it, once per step after a
     resume too."""
-    procgen_or_atari = runs(name)
-    stopped, resumed = procgen_or_atari.stopped, procgen_or_atari.resumed
+    made = runs(name)
+    stopped, resumed = made.stopped, made.resumed
     expected = logged_by_step(
         list(zip(stopped.rec["steps"], stopped.rec["explained_variance"])),
         list(zip(resumed.rec["steps"], resumed.rec["explained_variance"])),
@@ -338,8 +338,8 @@ def hyperparameters(run_dir):
 def test_every_start_logs_every_flag_as_hyperparameters_text(runs, name):
     """The text `hyperparameters` holds one row per field of Args with the value the process runs with: the fresh
     start's at step 0, the resumed start's (its --resume too) at the step it resumes from."""
-    procgen_or_atari = runs(name)
-    script, run_dir = procgen_or_atari.script, procgen_or_atari.resumed.dir
+    made = runs(name)
+    script, run_dir = made.script, made.resumed.dir
     fresh = vars(tyro.cli(script.Args, args=FLAGS[name]))
     assert [f.name for f in dataclasses.fields(script.Args)] == list(fresh)
     resumed = dict(fresh, resume=str(run_dir))
@@ -352,8 +352,8 @@ def test_every_start_logs_every_flag_as_hyperparameters_text(runs, name):
 def test_each_aux_epoch_is_logged_at_the_steps_before_its_checkpoint(runs, name):
     """Epoch k of the aux phase that ends at env step S is logged as aux/<name> at step S - E_aux + k, its means as
     auxiliary_phase returned them; the resumed run (which redid phase 2's aux phase) shows each step once."""
-    procgen_or_atari = runs(name)
-    stopped, resumed = procgen_or_atari.stopped, procgen_or_atari.resumed
+    made = runs(name)
+    stopped, resumed = made.stopped, made.resumed
     assert [step for step, _ in stopped.rec["aux"]] == [32, 64] and [s for s, _ in resumed.rec["aux"]] == [64]
     logged = scalars(resumed.dir)
     for stat in AUX_NAMES:
@@ -384,9 +384,9 @@ def test_a_resumed_run_logs_each_step_once_in_every_tag(runs, name):
     """The stopped run logged phase 2 (rollout 2 and its aux phase) past its checkpoint: in the resumed run's log, as
     TensorBoard reads it, no tag has a step twice, but for the episodes (several may end at one step): those are the
     stopped run's up to its checkpoint, then the resumed run's."""
-    procgen_or_atari = runs(name)
-    stopped, resumed = procgen_or_atari.stopped.rec, procgen_or_atari.resumed.rec
-    logged = scalars(procgen_or_atari.resumed.dir)
+    made = runs(name)
+    stopped, resumed = made.stopped.rec, made.resumed.rec
+    logged = scalars(made.resumed.dir)
     assert {"losses/policy_loss", "charts/SPS", "aux/clone_kl", "aux_phase/clone_kl"} <= logged.keys()
     for tag, pairs in logged.items():
         if tag in EPISODE_TAGS:
@@ -409,15 +409,15 @@ def test_anneal_lr_falls_linearly_per_rollout(runs, name):
     """With --anneal-lr, the rate at rollout i (1-based) of N is learning_rate * (1 - (i - 1) / N): set in every
     optimizer (the policy phase's and the value epochs' at each update, the aux phase's after it), logged as
     charts/learning_rate once per rollout, and after a resume it goes on falling as in the run unbroken."""
-    procgen_or_atari = runs(name)
-    lr0 = procgen_or_atari.script.Args().learning_rate
+    made = runs(name)
+    lr0 = made.script.Args().learning_rate
     expected = [lr0 * (1 - (i - 1) / ROLLOUTS) for i in range(1, ROLLOUTS + 1)]
-    stopped, resumed = procgen_or_atari.stopped.rec, procgen_or_atari.resumed.rec
+    stopped, resumed = made.stopped.rec, made.resumed.rec
     assert [set(lrs) for lrs in stopped["policy_lr"]] == [{lr} for lr in expected[:2]]  # rollouts 1 and 2
     assert [set(lrs) for lrs in resumed["policy_lr"]] == [{lr} for lr in expected[1:]]  # rollouts 2 and 3 again
     assert stopped["aux_lr"] == expected[:2] and resumed["aux_lr"] == expected[1:2]  # after rollouts 1 and 2
     # one value per logged step (a step logged twice: test_the_learning_rate_is_logged_once_per_rollout_after_a_resume)
-    logged = dict(scalars(procgen_or_atari.resumed.dir)["charts/learning_rate"])
+    logged = dict(scalars(made.resumed.dir)["charts/learning_rate"])
     assert [logged[step] for step in sorted(logged)] == [float32(lr) for lr in expected]
 
 
@@ -456,15 +456,13 @@ def test_progress_ticks_every_20_seconds_with_the_time_left(script, monkeypatch,
     monkeypatch.setattr(script, "time", clock)
     plan = dict(num_iterations=4, num_phases=2)
     progress = script.Progress(plan, 64, 0)
-    for at, done in [(1, 2), (10, 4), (21, 6), (30, 8), (41, 10)]:
+    # the work begins 50 s after the start, at 2 of 32 steps: its rate is measured from there, not from the start
+    for at, done in [(50, 2), (60, 12), (70, 14), (81, 20)]:
         clock.now = 1000.0 + at
         progress.tick("rollout", done, 32, "env steps")
-    # 6 of 32 at 21 s: 4 steps in 20 s since the work began at 2 steps, so 26 more take 130 s
+    # at 60 s: 10 steps in 10 s, 20 more take 20 s; at 70 s no line (10 s since the last); at 81 s, 18 steps in 31 s
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [
-        "  rollout: 6 of 32 env steps, about 0h02m left",
-        "  rollout: 10 of 32 env steps, about 0h01m left",
-    ]
+    assert lines == ["  rollout: 12 of 32 env steps, about 20s left", "  rollout: 20 of 32 env steps, about 21s left"]
     clock.now = 1100.0  # a rollout of 64 env steps done 100 s after the start
 
     class Writer:
@@ -495,11 +493,11 @@ def test_a_slow_rollout_prints_progress_lines_inside_it(runs, name):
 def test_the_plan_says_where_the_next_checkpoint_comes(runs, name):
     """A fresh run's next checkpoint is at the end of its first phase; a resumed run's at the end of the phase it
     starts; the resumed plan counts its aux phases in all and those still to run."""
-    procgen_or_atari = runs(name)
-    assert "a checkpoint at the end of each phase; the next at env step 32\n" in procgen_or_atari.stopped.stdout
-    assert "a checkpoint at the end of each phase; the next at env step 64\n" in procgen_or_atari.resumed.stdout
-    assert "; aux phases: 2\n" in procgen_or_atari.stopped.stdout
-    assert "; aux phases: 2 (1 still to run)\n" in procgen_or_atari.resumed.stdout
+    made = runs(name)
+    assert "a checkpoint at the end of each phase; the next at env step 32\n" in made.stopped.stdout
+    assert "a checkpoint at the end of each phase; the next at env step 64\n" in made.resumed.stdout
+    assert "; aux phases: 2\n" in made.stopped.stdout
+    assert "; aux phases: 2 (1 still to run)\n" in made.resumed.stdout
 
 
 # CleanRL's flags -------------------------------------------------------------------------------------------------
@@ -542,6 +540,7 @@ def test_every_cleanrl_flag_is_answered_in_one_line(script):
 
 # Messages ----------------------------------------------------------------------------------------------------------
 def test_procgen_missing_is_named_with_its_package(tmp_path, monkeypatch):
+    """Without procgen installed, a start stops in one line that names the package to install, before any folder."""
     import importlib.util
 
     script, real = load_script("ppg_procgen.py"), importlib.util.find_spec
@@ -551,6 +550,7 @@ def test_procgen_missing_is_named_with_its_package(tmp_path, monkeypatch):
 
 
 def test_resume_of_a_folder_of_runs_names_one_of_them(script, tmp_path, monkeypatch):
+    """--resume runs (the folder that holds the runs) stops in one line that names one of its runs as the example."""
     for run in ("a", "b"):
         (tmp_path / "runs" / run).mkdir(parents=True)
         (tmp_path / "runs" / run / "checkpoint.pt").touch()
@@ -618,15 +618,17 @@ def not_exact_resumes(runs, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("kernels")
     run_dir = cwd / "runs" / unbroken.name
     shutil.copytree(unbroken, run_dir)
-    original = checkpoint(run_dir)["same"]["cpu_kernels"]
-    assert original == torch.backends.cpu.get_cpu_capability()
+    unbroken_state = checkpoint(run_dir)
+    original = torch.backends.cpu.get_cpu_capability()
     other = "AVX512" if original != "AVX512" else "AVX2"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
         first = train(script, ["--resume", str(run_dir), "--total-timesteps", "128"], cwd)
     written = checkpoint(run_dir)
     second = train(script, ["--resume", str(run_dir), "--total-timesteps", "160"], cwd, interrupt=True)
-    return types.SimpleNamespace(original=original, other=other, first=first, written=written, second=second)
+    return types.SimpleNamespace(
+        original=original, other=other, unbroken=unbroken_state, first=first, written=written, second=second
+    )
 
 
 def resume_line(stdout: str) -> str:
@@ -637,6 +639,7 @@ def test_other_cpu_kernels_make_a_resume_not_exact_and_the_checkpoint_remembers(
     """The checkpoint records torch's CPU kernels (AVX2 and AVX512 ones round differently); a resume on other kernels
     says so, its checkpoint records exact False, and a later resume on the original kernels is still not exact."""
     r = not_exact_resumes
+    assert r.unbroken["same"]["cpu_kernels"] == r.original and r.unbroken["exact"] is True
     assert resume_line(r.first.stdout).endswith(f": not exact: cpu_kernels {r.original} -> {r.other}")
     assert r.written["global_step"] == 128 and r.written["exact"] is False
     assert r.written["same"]["cpu_kernels"] == r.other
@@ -670,15 +673,20 @@ def test_main_lets_go_of_its_lock_when_it_returns(runs, name):
 
 # The lock and the memory fallback -----------------------------------------------------------------------------------
 def test_the_lock_file_is_readable_by_all_whatever_the_umask(script, tmp_path):
+    """The lock file is made with mode 0644, not the 0666 that a umask of 0 would leave writable by all."""
     old = os.umask(0)
     try:
         script.open_run_folder(script.Args(), None, str(tmp_path / "runs" / "a"), "a")
     finally:
         os.umask(old)
+        release_lock(tmp_path / "runs" / "a")
     assert (tmp_path / "runs" / "a" / "lock").stat().st_mode & 0o777 == 0o644
 
 
 def test_a_filesystem_without_flock_stops_in_one_line_and_leaves_no_folder(script, tmp_path, monkeypatch):
+    """flock failing with ENOSYS (Lustre without -o flock, some NFS mounts) stops a fresh run in one line that says it
+    cannot lock, and removes the folder it had made."""
+
     def no_flock(fd, operation):
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
