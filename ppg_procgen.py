@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -481,7 +482,7 @@ def main(args: Args, given: set):
     phase = run.ckpt["phase"] if run.ckpt else 0
     global_step = run.ckpt["global_step"] if run.ckpt else 0
     batch_size = args.num_envs * args.num_steps
-    iteration = start_iteration = global_step // batch_size
+    iteration, start_step = global_step // batch_size, global_step
     seed = seed_everything(args, phase)
     envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
     agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi and theta_V
@@ -501,16 +502,13 @@ def main(args: Args, given: set):
     if run.ckpt:
         restore(run, stateful, recent_returns)
     next_obs = torch.from_numpy(envs.reset()).to(device)
-    progress = Progress(plan, batch_size, global_step)
+    progress = Progress(plan, batch_size, start_step)
     try:
         while iteration < plan["num_iterations"]:
             phase, phase_start = phase + 1, time.time()
             # The policy phase: N_pi rollouts, each followed by E_pi policy epochs and E_V value epochs
             for i in range(min(args.n_pi, plan["num_iterations"] - iteration)):
                 iteration += 1
-                if args.anneal_lr:
-                    lr = anneal_learning_rate(optimizers, args, iteration, plan["num_iterations"])
-                    run.writer.add_scalar("charts/learning_rate", lr, global_step)
                 # Rollout i fills rows i * num_envs to (i + 1) * num_envs of B (views into it); without an
                 # auxiliary phase, B holds one rollout
                 slot = i if plan["aux_phases"] else 0
@@ -519,6 +517,9 @@ def main(args: Args, given: set):
                     agent, envs, next_obs, ro, global_step, progress, test_envs
                 )
                 global_step += batch_size
+                if args.anneal_lr:  # the rate of this rollout's update, logged at its step as the losses are
+                    lr = anneal_learning_rate(optimizers, args, iteration, plan["num_iterations"])
+                    run.writer.add_scalar("charts/learning_rate", lr, global_step)
                 explained_variance = compute_targets(ro, next_value, args, reward_normalizer)
                 for step, ep_return, length in episodes:
                     run.writer.add_scalar("charts/episodic_return", ep_return, step)
@@ -533,17 +534,16 @@ def main(args: Args, given: set):
             aux_epochs, aux_start = [], time.time()
             if args.e_aux > 0 and iteration < plan["num_iterations"]:
                 aux_epochs = auxiliary_phase(agent, aux_optimizer, buffers, args, chunk_size, progress)
-            log_aux_phase(run.writer, aux_epochs, global_step, args.e_aux)
+            log_aux_phase(run, aux_epochs, global_step)
             print(f"phase {phase} done in {time.time() - phase_start:.1f}s (aux {time.time() - aux_start:.1f}s)")
             # The end of a phase is where a resumed run goes on from. The log is flushed first, so that a kill
             # after the checkpoint loses none of the phase's log.
             run.writer.flush()
             save_checkpoint(run.dir, dict(run.header, phase=phase, global_step=global_step), stateful, recent_returns)
     finally:
-        close_run(run, trained=iteration > start_iteration)
+        close_run(run, trained=global_step > start_step)
     envs.env.close()
-    path = os.path.abspath(os.path.join(run.dir, "checkpoint.pt"))
-    print(f"checkpoint: {path}; evaluate it: {sys.executable} {os.path.join(HERE, 'tools', 'evaluate.py')} {path}")
+    print(evaluate_hint(run))
 
 
 # =====================================================================================================================
@@ -740,7 +740,8 @@ def free_memory(device):
 
 
 def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: str):
-    """Creates the run's folder and locks it, and starts W&B with --track. Returns the W&B run's id."""
+    """Creates the run's folder and locks it, and starts W&B with --track. Returns the W&B run's id and the lock's
+    file descriptor (the lock lasts until it is closed, or the process ends)."""
     fresh = not os.path.exists(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     # One process per run: the kernel drops this lock however the process ends (kill -9 too)
@@ -767,7 +768,7 @@ def open_run_folder(args: Args, ckpt: Optional[Dict], run_dir: str, run_name: st
             if not ckpt:
                 shutil.rmtree(run_dir)  # it holds the lock alone
             sys.exit(f"error: --track: {repr(e)[:200]} (pip install wandb; wandb login)")
-    return wandb_id
+    return wandb_id, lock
 
 
 @dataclasses.dataclass
@@ -781,6 +782,7 @@ class Run:
     header: Dict  # what every checkpoint of this process records beside the state
     chunk_size: int  # states per backward pass (memory_plan; 0: whole minibatches)
     not_exact: list  # why a resumed run is not bit for bit the run unbroken (empty: it is)
+    lock: int  # the file descriptor of the run's lock
 
 
 def setup(args: Args, given: set) -> Optional[Run]:
@@ -809,13 +811,16 @@ def setup(args: Args, given: set) -> Optional[Run]:
         not_exact.append("an earlier resume was not exact")
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = run_dir or f"runs/{run_name}"
-    wandb_id = open_run_folder(args, ckpt, run_dir, run_name)
+    wandb_id, lock = open_run_folder(args, ckpt, run_dir, run_name)
     # The flags are saved as given, so --micro-batch-size unset stays unset: a resume chooses its own chunk size
     header = dict(script=SCRIPT, base_script=BASE_SCRIPT, run_name=run_name, args=vars(args), wandb_id=wandb_id)
-    header.update(same=same, exact=not not_exact)
+    # Older checkpoints did not count their aux phases (None: unknown)
+    header.update(same=same, exact=not not_exact, aux_phases_done=ckpt.get("aux_phases_done") if ckpt else 0)
     print(f"run {run_name} on {device}, precision {args.precision}")
     aux_phases = plan["aux_phases"]
-    if ckpt:
+    if ckpt and header["aux_phases_done"] is not None:
+        aux_phases = f"{header['aux_phases_done'] + plan['aux_phases']} ({plan['aux_phases']} still to run)"
+    elif ckpt:
         aux_phases = f"{plan['aux_phases']} still to run"
     print(
         f"phases: {plan['num_phases']} of N_pi={args.n_pi} rollouts; rollouts: {iterations} of {args.num_envs} envs"
@@ -830,7 +835,7 @@ def setup(args: Args, given: set) -> Optional[Run]:
     writer = SummaryWriter(run_dir, purge_step=start_step + 1 if ckpt else None)
     table = "\n".join(f"|{name}|{value}|" for name, value in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}", global_step=start_step)
-    return Run(args, ckpt, plan, device, run_dir, writer, header, memory.chunk_size, not_exact)
+    return Run(args, ckpt, plan, device, run_dir, writer, header, memory.chunk_size, not_exact, lock)
 
 
 def save_checkpoint(run_dir: str, state: Dict, stateful: Dict, recent_returns):
@@ -879,7 +884,9 @@ def stop_on_signals(run: Run):
     """On SIGTERM or SIGINT (Ctrl-C), stops the run with a line that says how to resume it."""
 
     def stop(signum, frame):
-        how = f"resume with: {sys.executable} {os.path.join(HERE, SCRIPT)} --resume {os.path.abspath(run.dir)}"
+        how = "resume with: " + shlex.join(
+            [sys.executable, os.path.join(HERE, SCRIPT), "--resume", os.path.abspath(run.dir)]
+        )
         if not os.path.exists(os.path.join(run.dir, "checkpoint.pt")):
             how = "no checkpoint had been written yet"
         os.write(sys.stdout.fileno(), f"\nstopped by {signal.Signals(signum).name}; {how}\n".encode())
@@ -890,22 +897,33 @@ def stop_on_signals(run: Run):
 
 
 def close_run(run: Run, trained: bool):
-    """Closes the log. A fresh run stopped before it trained on one rollout leaves no folder behind."""
+    """Closes the log and lets go of the lock. A fresh run stopped before its first rollout ended leaves no folder."""
     run.writer.close()
+    os.close(run.lock)
     if run.ckpt is None and not trained:
         shutil.rmtree(run.dir, ignore_errors=True)
-        print(f"{run.dir} removed: the run stopped before its first rollout was trained on")
+        print(f"{run.dir} removed: the run stopped before its first rollout ended")
 
 
-def log_aux_phase(writer, epochs: List[Dict], global_step: int, e_aux: int):
+def evaluate_hint(run: Run) -> str:
+    """Where the checkpoint is, and the command that evaluates it, with absolute paths: it works from any folder."""
+    path = os.path.abspath(os.path.join(run.dir, "checkpoint.pt"))
+    command = shlex.join([sys.executable, os.path.join(HERE, "tools", "evaluate.py"), path])
+    return f"checkpoint: {path}; evaluate it: {command}"
+
+
+def log_aux_phase(run: Run, epochs: List[Dict], global_step: int):
     """Logs the means of aux epoch k as aux/<name> at env step global_step - E_aux + k, the last steps before the
     phase's checkpoint: a resumed run's log drops the steps after its checkpoint, so it keeps these and drops those
-    of an aux phase that a stopped run left unfinished. The last epoch's means also go to aux_phase/<name>."""
+    of an aux phase that a stopped run left unfinished. The last epoch's means also go to aux_phase/<name>. The
+    checkpoints count the aux phases run, for a resumed run's plan."""
     for epoch, means in enumerate(epochs, start=1):
         for name, value in means.items():
-            writer.add_scalar("aux/" + name, value, global_step - e_aux + epoch)
+            run.writer.add_scalar("aux/" + name, value, global_step - run.args.e_aux + epoch)
     for name, value in (epochs[-1] if epochs else {}).items():
-        writer.add_scalar("aux_phase/" + name, value, global_step)
+        run.writer.add_scalar("aux_phase/" + name, value, global_step)
+    if epochs and run.header["aux_phases_done"] is not None:
+        run.header["aux_phases_done"] += 1
 
 
 def duration(seconds: float) -> str:

@@ -304,7 +304,7 @@ def test_a_raised_budget_after_a_short_last_phase_starts_a_new_phase_at_the_chec
     run = copy_run(tiny_run("ppg_procgen.py"), tmp_path)
     main_in_process(script, ["--resume", str(run), "--total-timesteps", "384"], tmp_path, monkeypatch)
     out = capsys.readouterr().out
-    assert "phases: 4 of N_pi=2 rollouts; rollouts: 6 of" in out and "aux phases: 1 still to run\n" in out
+    assert "phases: 4 of N_pi=2 rollouts; rollouts: 6 of" in out and "aux phases: 2 (1 still to run)\n" in out
     progress = [line.split(" step ")[0] for line in out.splitlines() if " iter " in line]
     assert progress == ["phase 3/4 iter 4/6", "phase 3/4 iter 5/6", "phase 4/4 iter 6/6"]
     assert out.index("aux epoch 1/2") > out.index("iter 5/6") and out.index("aux epoch 1/2") < out.index("iter 6/6")

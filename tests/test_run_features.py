@@ -138,8 +138,8 @@ def lock_fds(run_dir) -> list:
 
 
 def release_lock(run_dir) -> None:
-    """main() keeps its run's lock file open until the process ends (test_main_lets_go_of_its_lock_when_it_returns):
-    close it, so that this process can resume the run."""
+    """Closes any descriptor of this process still open on the run's lock (main() closes its own as it returns, which
+    test_main_lets_go_of_its_lock_when_it_returns checks), so that this process can resume the run."""
     for fd in lock_fds(run_dir):
         os.close(fd)
 
@@ -421,11 +421,6 @@ def test_anneal_lr_falls_linearly_per_rollout(runs, name):
     assert [logged[step] for step in sorted(logged)] == [float32(lr) for lr in expected]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="charts/learning_rate is logged at the env step before its rollout, so the rate of the first rollout after a "
-    "checkpoint is logged at the checkpoint's step, which purge_step (checkpoint step + 1) keeps: a resume logs it twice",
-)
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_the_learning_rate_is_logged_once_per_rollout_after_a_resume(runs, name):
     """The stopped run logged rollout 2's rate before it stopped; the resumed run redoes rollout 2: TensorBoard must
@@ -568,18 +563,10 @@ def test_a_finished_run_resumed_with_its_budget_says_to_raise_it(runs, name, mon
     run_dir = runs(name).resumed.dir
     before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
     main_in_process(load_script(name), ["--resume", str(run_dir)], run_dir.parent, monkeypatch)
-    assert (
-        "is trained to step 96 (--total-timesteps 96): raise --total-timesteps to train it on"
-        in capsys.readouterr().out
-    )
+    assert "is trained to step 96: nothing to do (raise --total-timesteps above it to go on)" in capsys.readouterr().out
     assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="main() counts a rollout as trained once it starts (iteration += 1 comes before collect_rollout), so "
-    "close_run's trained=iteration > start_iteration is True at a stop inside the first rollout: the folder stays",
-)
 def test_a_run_stopped_before_training_leaves_no_folder(script, tmp_path, monkeypatch, capsys):
     """Stopped at its first rollout (as by Ctrl-C: SystemExit(130)), a fresh run removes its folder."""
 
@@ -590,7 +577,7 @@ def test_a_run_stopped_before_training_leaves_no_folder(script, tmp_path, monkey
     with pytest.raises(SystemExit):
         main_in_process(script, FLAGS[script.SCRIPT], tmp_path, monkeypatch)
     assert not list((tmp_path / "runs").iterdir())
-    assert "removed: the run stopped before its first rollout was trained on" in capsys.readouterr().out
+    assert "removed: the run stopped before its first rollout ended" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -647,11 +634,6 @@ def test_other_cpu_kernels_make_a_resume_not_exact_and_the_checkpoint_remembers(
     assert ": not exact: " in line and line.endswith("an earlier resume was not exact"), line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="setup counts a resumed run's aux phases in all as num_phases - 1, but a finished run that is trained on had "
-    "no aux phase after its last phase: the total is one too many",
-)
 def test_a_resumed_plan_counts_the_aux_phases_the_run_has(not_exact_resumes):
     """The finished run (2 aux phases, none after its third and last phase) trained on for one rollout (a fourth
     phase, the last, with no aux phase after it): it has 2 aux phases in all, none still to run."""
@@ -660,11 +642,6 @@ def test_a_resumed_plan_counts_the_aux_phases_the_run_has(not_exact_resumes):
     assert "; aux phases: 2 (0 still to run)\n" in r.first.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open_run_folder's lock file descriptor is never closed: after main() returns, this process still holds "
-    "the run's lock, and a resume in the same process is refused as 'being trained by process <its own id>'",
-)
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_main_lets_go_of_its_lock_when_it_returns(runs, name):
     """main() called in a process (a notebook, a test) that goes on after it closes the run's lock file."""
@@ -765,11 +742,6 @@ def test_the_stop_line_is_a_command_that_resumes_from_anywhere(sigterm_run):
     assert checkpoint(r.dir)["global_step"] == 256 and not list(r.elsewhere.iterdir())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the stop line joins the command's words with spaces, unquoted: a path with a space in it (the run's folder, "
-    "the script's or Python's) splits into two words when the line is pasted into a shell",
-)
 def test_the_stop_line_quotes_a_folder_with_a_space(script, tmp_path, monkeypatch, capfd):
     """The stop line's command, split as a shell splits it, names the run's folder whole."""
     run_dir = tmp_path / "my runs" / "a"
