@@ -93,8 +93,6 @@ def ale_protocol(env_id: str):
 class AtariVecEnv:
     """ale-py's frames (4 frames skipped per step, max-pooled, 84x84 gray, 4 stacked) as uint8, channels last."""
 
-    RESUME = "not exact: each env starts a new game"
-
     def __init__(self, args: Args, num_envs: int, seed: int):
         ale_id, sticky, noop_max, fire_reset = ale_protocol(args.env_id)
         if args.repeat_action_probability is not None:
@@ -531,11 +529,11 @@ def main(args: Args, given: set):
 
 
 # =====================================================================================================================
-# The run's plumbing: seeds, flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints,
-# signals and progress lines. Nothing below changes what the run computes.
+# The run's plumbing: seeds, the schedule of --anneal-lr, the NaN check, flag checks, resume, the run's folder and its
+# lock, W&B, memory planning, checkpoints, signals and progress lines. Above is PPG; below is what runs it.
 # =====================================================================================================================
 
-BASE_SCRIPT = "ppg_atari.py"  # the script this file is, or was copied from (checkpoints record it for the tools)
+BASE_SCRIPT = "ppg_atari.py"  # the script this file is, or was copied from (checkpoints record it: tools/ reads it)
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Flags of older versions, fixed at the one value they always took: a checkpoint that holds one at that value resumes
 RETIRED_FLAGS = {"torch_deterministic": True}
@@ -793,7 +791,7 @@ def setup(args: Args, given: set) -> Optional[Run]:
     same = dict(threads=torch.get_num_threads(), torch=str(torch.__version__), micro_batch_size=memory.chunk_size)
     same["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     same["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()  # AVX2 and AVX512 kernels round differently
-    recorded = ckpt.get("same", {}) if ckpt else {}  # a checkpoint written before 14113e7 records no conditions
+    recorded = ckpt.get("same", {}) if ckpt else {}  # older versions' checkpoints record none
     not_exact = [f"{k} {v} -> {same[k]}" for k, v in recorded.items() if v != same.get(k)]
     if ckpt and not ckpt.get("exact", True):
         not_exact.append("an earlier resume was not exact")

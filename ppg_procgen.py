@@ -87,8 +87,6 @@ class Args:
 
 # Envs --------------------------------------------------------------------------------------------
 class ProcgenVecEnv:
-    RESUME = "exact: every env, random stream and tracker restored"
-
     def __init__(self, args: Args, num_envs: int, num_levels: int, start_level: int, seed: int):
         try:  # gym 0.26, which procgen imports, prints a notice from this table at import
             from gym_notices import notices
@@ -547,11 +545,11 @@ def main(args: Args, given: set):
 
 
 # =====================================================================================================================
-# The run's plumbing: seeds, flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints,
-# signals and progress lines. Nothing below changes what the run computes.
+# The run's plumbing: seeds, the schedule of --anneal-lr, the NaN check, flag checks, resume, the run's folder and its
+# lock, W&B, memory planning, checkpoints, signals and progress lines. Above is PPG; below is what runs it.
 # =====================================================================================================================
 
-BASE_SCRIPT = "ppg_procgen.py"  # the script this file is, or was copied from (checkpoints record it for the tools)
+BASE_SCRIPT = "ppg_procgen.py"  # the script this file is, or was copied from (checkpoints record it: tools/ reads it)
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Flags of older versions, fixed at the one value they always took: a checkpoint that holds one at that value resumes
 RETIRED_FLAGS = {"torch_deterministic": True}
@@ -635,7 +633,7 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0):
         if not ok:
             sys.exit(f"error: --{name.replace('_', '-')} must be a finite number {rule} (got {value})")
     if importlib.util.find_spec("procgen") is None:
-        sys.exit("error: procgen is not installed: pip install procgen-mirror==0.10.7 (procgen==0.10.7 before 3.11)")
+        sys.exit("error: procgen is not installed: pip install procgen-mirror==0.10.7 (procgen==0.10.7 on Python 3.10)")
     if args.clip_coef == 0 and args.kl_penalty == 0:
         sys.exit("error: --clip-coef 0 leaves the policy step unbounded: add --kl-penalty 1")
     batch_size = args.num_envs * args.num_steps
@@ -805,7 +803,7 @@ def setup(args: Args, given: set) -> Optional[Run]:
     same = dict(threads=torch.get_num_threads(), torch=str(torch.__version__), micro_batch_size=memory.chunk_size)
     same["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     same["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()  # AVX2 and AVX512 kernels round differently
-    recorded = ckpt.get("same", {}) if ckpt else {}  # a checkpoint written before 14113e7 records no conditions
+    recorded = ckpt.get("same", {}) if ckpt else {}  # older versions' checkpoints record none
     not_exact = [f"{k} {v} -> {same[k]}" for k, v in recorded.items() if v != same.get(k)]
     if ckpt and not ckpt.get("exact", True):
         not_exact.append("an earlier resume was not exact")

@@ -3,8 +3,11 @@ head the original lacks, so that only the copy's own classes can load its weight
 --script PATH; tools/evaluate.py evaluates its checkpoint with the copy's classes and tools/report.py reports its runs,
 naming the copy as what keeps them from being the released run."""
 
+import contextlib
 import importlib.util
+import io
 import json
+import pathlib
 import subprocess
 import sys
 import types
@@ -12,7 +15,7 @@ import types
 import pytest
 import torch
 
-from conftest import PATIENCE_S, ROOT, SWEEP_TINY
+from conftest import PATIENCE_S, ROOT, SWEEP_TINY, main_in_process
 
 HEAD = "        self.extra_heads = nn.ModuleDict()\n"
 NAME = "ppg_procgen_vlam.py"
@@ -25,23 +28,44 @@ def load_tool(name: str):
     return module
 
 
-@pytest.fixture(scope="module")
-def copied_sweep(tmp_path_factory):
-    """The copy, in a folder of its own, and a one-run local sweep of it (tiny flags, dodgeball)."""
-    root = tmp_path_factory.mktemp("copy")
+def make_copy(root):
+    """The hacked copy, in a folder of its own: a head the original lacks, so only the copy's classes load its weights."""
     text = (ROOT / "ppg_procgen.py").read_text()
     assert text.count(HEAD) == 1
     hack = HEAD + '        self.extra_heads["probe"] = normed_init_(nn.Linear(width, 1), 0.1)  # the hack\n'
     (root / "hacks").mkdir()
     (root / "hacks" / NAME).write_text(text.replace(HEAD, hack))
-    argv = ["--root", str(root / "runs"), "--name", "vlam", "--script", str(root / "hacks" / NAME)]
-    argv += ["--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--", *SWEEP_TINY]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "sweep.py"), *argv], capture_output=True, text=True, timeout=PATIENCE_S
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    (run,) = (root / "runs" / "vlam" / "dodgeball__ppg__1" / "runs").iterdir()
-    return types.SimpleNamespace(root=root, copy=root / "hacks" / NAME, sweep=root / "runs" / "vlam", run=run)
+    return root / "hacks" / NAME
+
+
+def sweep_argv(root, copy) -> list:
+    argv = ["--root", str(root / "runs"), "--name", "vlam", "--script", str(copy)]
+    return argv + ["--games", "dodgeball", "--seeds", "1", "--methods", "ppg", "--", *SWEEP_TINY]
+
+
+@pytest.fixture(scope="module")
+def copied_sweep(tmp_path_factory):
+    """A one-run sweep of the copy: the job's command as the sweep's dry run plans it, then that command's training
+    run in this process, in the sweep's folder for it (the real sweep of a copy: test_a_real_sweep_trains_the_copy)."""
+    root = tmp_path_factory.mktemp("copy")
+    copy = make_copy(root)
+    sweep = load_tool("sweep")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        sweep.main([*sweep_argv(root, copy)[: -1 - len(SWEEP_TINY)], "--dry-run", "--", *SWEEP_TINY])
+    (start,) = [line for line in out.getvalue().splitlines() if line.startswith("start ")]
+    folder, command = start.removeprefix("start").strip().split(": ", 1)
+    assert pathlib.Path(folder).is_absolute(), start  # the run's folder is made below, never under the checkout
+    words = command.split()
+    assert words[:2] == [sys.executable, str(copy)], command  # the job runs the copy, by the sweep's interpreter
+    spec = importlib.util.spec_from_file_location("copied_script", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pathlib.Path(folder).mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        main_in_process(module, words[2:], pathlib.Path(folder), mp)
+    (run,) = (pathlib.Path(folder) / "runs").iterdir()
+    return types.SimpleNamespace(root=root, copy=copy, sweep=root / "runs" / "vlam", run=run)
 
 
 def test_sweep_runs_a_copy_given_by_its_path(copied_sweep, tmp_path, monkeypatch, capsys):
@@ -59,6 +83,17 @@ def test_sweep_runs_a_copy_given_by_its_path(copied_sweep, tmp_path, monkeypatch
             sweep.main(["--name", "x", "--script", script, "--games", "dodgeball", "--dry-run"])
         assert str(stopped.value.code) == stop
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.py"]  # refused before any folder was made
+
+
+@pytest.mark.slow  # a real local sweep of a copy (22 s to 88 s); the fixture above runs its planned command in process
+def test_a_real_sweep_trains_the_copy(tmp_path):
+    copy = make_copy(tmp_path)
+    argv = [sys.executable, str(ROOT / "tools" / "sweep.py"), *sweep_argv(tmp_path, copy)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (run,) = (tmp_path / "runs" / "vlam" / "dodgeball__ppg__1" / "runs").iterdir()
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert (state["script"], state["global_step"]) == (NAME, 192) and "extra_heads.probe.weight" in state["agent"]
 
 
 def evaluate(monkeypatch, capsys, cwd, *argv: str):

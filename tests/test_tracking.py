@@ -161,6 +161,25 @@ def test_track_starts_wandb_only_after_the_run_folder_is_claimed(tmp_path, monke
     assert [p.name for p in run_dir.iterdir()] == ["lock"]
 
 
+def test_track_copies_the_script_into_the_wandb_run_and_saves_it(tmp_path, monkeypatch):
+    """--track copies the file that trains (a hacked copy's own) into the W&B run's folder and saves that copy at once,
+    not a link to a file that may change later (with W&B itself: the slow test below)."""
+    script = load_script(SCRIPT)
+    files, saved = tmp_path / "wandb-files", []
+    files.mkdir()
+    fake = types.SimpleNamespace(
+        init=lambda **kwargs: types.SimpleNamespace(id="abc"),
+        run=types.SimpleNamespace(dir=str(files)),
+        save=lambda path, base_path, policy: saved.append((path, base_path, policy)),
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    main_in_process(script, [*TINY_FLAGS[SCRIPT], "--track"], tmp_path, monkeypatch)
+    kept = files / SCRIPT
+    assert kept.read_bytes() == (ROOT / SCRIPT).read_bytes() and not kept.is_symlink()
+    assert saved == [(str(kept), str(files), "now")]
+
+
+@pytest.mark.slow  # 14 s of offline W&B: the test above checks the copy and the save call with a stand-in
 def test_track_keeps_the_script_that_ran_with_the_wandb_run(tmp_path):
     """--track keeps the file that trained (here a copy under another name, as a hack is kept) with the W&B run: a copy
     of it among the offline run's files, as it was when the run started, and a files record that uploads it at once."""
