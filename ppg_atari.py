@@ -919,13 +919,14 @@ def duration(seconds: float) -> str:
 
 class Progress:
     """Progress lines on the console: one per rollout, and within long work (a rollout, an update, an aux epoch) one
-    whenever 20 seconds have passed since the last line, so that a slow run (the defaults on a CPU) shows that it is
-    alive. Reading the clock costs no wait for the device."""
+    whenever 20 seconds have passed since the last line (the first 10 seconds in), so that a slow run (the defaults on
+    a CPU) shows that it is alive. Reading the clock costs no wait for the device."""
 
     def __init__(self, plan: Dict, batch_size: int, start_step: int):
         self.plan, self.batch_size = plan, batch_size
         self.start_time, self.start_step = time.time(), start_step
-        self.last_line, self.work, self.done, self.work_start, self.first = time.time(), None, 0, 0.0, 0
+        self.work, self.done, self.work_start, self.first = None, 0, 0.0, 0
+        self.last_line = time.time() - 10  # so that the first line comes 10 seconds into the work, later ones every 20
 
     def tick(self, work: str, done: int, total: int, unit: str):
         now = time.time()
