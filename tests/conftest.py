@@ -283,3 +283,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if slow:
         line += f"; {slow} slow ones run with -m slow"
     terminalreporter.write_line(line, green=not count["failed"], red=bool(count["failed"]), bold=True)
+
+
+def wrap(monkeypatch, owner, name, before=None, after=None):
+    """Replace owner.name by a function that calls before(*args), the original, then after(result, *args), with the
+    call's positional arguments (the tests record what main() hands the script's functions)."""
+    real = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        if before:
+            before(*args)
+        result = real(*args, **kwargs)
+        if after:
+            after(result, *args)
+        return result
+
+    monkeypatch.setattr(owner, name, wrapped)

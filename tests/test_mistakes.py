@@ -12,27 +12,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import TINY_FLAGS, assert_same, copy_run, load_script, main_in_process
+from conftest import TINY_FLAGS, assert_same, copy_run, load_script, main_in_process, wrap
 
 
 def tiny(script, *extra):
     return [*TINY_FLAGS[pathlib.Path(script.__file__).name], "--precision", "fp32", *extra]
-
-
-def wrap(monkeypatch, owner, name, before=None, after=None):
-    """Replace owner.name by a function that calls before(*args), the original, then after(result, *args), with the
-    call's positional arguments."""
-    real = getattr(owner, name)
-
-    def wrapped(*args, **kwargs):
-        if before:
-            before(*args)
-        result = real(*args, **kwargs)
-        if after:
-            after(result, *args)
-        return result
-
-    monkeypatch.setattr(owner, name, wrapped)
 
 
 class DeviceWaits(TorchFunctionMode):

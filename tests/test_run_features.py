@@ -29,7 +29,7 @@ import pytest
 import torch
 import tyro
 
-from conftest import PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, assert_same, load_script, main_in_process, refusal
+from conftest import PATIENCE_S, ROOT, SCRIPTS, TINY_FLAGS, assert_same, load_script, main_in_process, refusal, wrap
 
 # 3 rollouts of 2 envs x 16 steps, one per phase (N_pi 1): aux phases after phases 1 and 2 (2 epochs of one minibatch
 # each), none after phase 3. Every run here anneals its learning rate, so that the rate is logged and resumed too.
@@ -44,21 +44,6 @@ FLAGS = {
     "ppg_atari.py": ["--env-id", "BreakoutNoFrameskip-v4", "--max-episode-frames", "100", *COMMON, "--seed", "3"],
 }
 AUX_NAMES = ["aux_value_loss", "clone_kl", "joint_loss", "value_loss"]
-
-
-def wrap(monkeypatch, owner, name, before=None, after=None):
-    """Replace owner.name by a function that calls before(*args), the original, then after(result, *args)."""
-    real = getattr(owner, name)
-
-    def wrapped(*args, **kwargs):
-        if before:
-            before(*args)
-        result = real(*args, **kwargs)
-        if after:
-            after(result, *args)
-        return result
-
-    monkeypatch.setattr(owner, name, wrapped)
 
 
 def train(script, flags, cwd, stop_at_checkpoint=0, fast_clock=False, interrupt=False):
