@@ -82,26 +82,35 @@ class Args:
 
 
 # Envs --------------------------------------------------------------------------------------------
-def ale_protocol(env_id: str):
-    """The v5 id, sticky actions, most no-op starts and FIRE on reset: DQN's protocol for v4 ids, Machado et al.'s
-    for v5 ids."""
+class AleProtocol(NamedTuple):
+    ale_id: str  # the v5 id, whose vector env ale-py has
+    sticky: float  # the probability of repeating the last action
+    noop_max: int  # the most no-op actions at a game's start
+    fire_reset: bool  # whether FIRE starts a game
+
+
+def ale_protocol(env_id: str) -> AleProtocol:
+    """DQN's protocol for v4 ids, Machado et al.'s for v5 ids."""
     if env_id.endswith("NoFrameskip-v4"):
-        return f"ALE/{env_id[: -len('NoFrameskip-v4')]}-v5", 0.0, 30, True
-    return env_id, 0.25, 0, False
+        return AleProtocol(f"ALE/{env_id[: -len('NoFrameskip-v4')]}-v5", 0.0, 30, True)
+    return AleProtocol(env_id, 0.25, 0, False)
 
 
 class AtariVecEnv:
     """ale-py's frames (4 frames skipped per step, max-pooled, 84x84 gray, 4 stacked) as uint8, channels last."""
 
     def __init__(self, args: Args, num_envs: int, seed: int):
-        ale_id, sticky, noop_max, fire_reset = ale_protocol(args.env_id)
+        game = ale_protocol(args.env_id)
+        sticky = game.sticky
         if args.repeat_action_probability is not None:
             sticky = args.repeat_action_probability
         frames = dict(frameskip=4, maxpool=True, img_height=84, img_width=84, grayscale=True, stack_num=4)
         # ale-py's own life loss and reward clipping are off (its life loss resets the game): step() does both
-        protocol = dict(repeat_action_probability=sticky, noop_max=noop_max, use_fire_reset=fire_reset)
+        protocol = dict(repeat_action_probability=sticky, noop_max=game.noop_max, use_fire_reset=game.fire_reset)
         protocol.update(max_num_frames_per_episode=args.max_episode_frames, episodic_life=False, reward_clipping=False)
-        self.env = gym.make_vec(ale_id, num_envs, "vector_entry_point", autoreset_mode="SameStep", **frames, **protocol)
+        self.env = gym.make_vec(
+            game.ale_id, num_envs, "vector_entry_point", autoreset_mode="SameStep", **frames, **protocol
+        )
         self.args, self.seed, self.num_envs = args, seed, num_envs
         self.num_actions = self.env.single_action_space.n
         self.returns = np.zeros(num_envs, dtype=np.float64)
@@ -619,7 +628,7 @@ def make_plan(args: Args, start_step: int = 0, start_phase: int = 0):
         if not ok:
             sys.exit(f"error: --{name.replace('_', '-')} must be a finite number {rule} (got {value})")
     gym.register_envs(ale_py)
-    ale_id = ale_protocol(args.env_id)[0]
+    ale_id = ale_protocol(args.env_id).ale_id
     if ale_id not in gym.registry or not ale_id.endswith("-v5"):  # only v5 ids have ale-py's vector env
         sys.exit(f"error: --env-id {args.env_id}: not an ale-py game id, as BreakoutNoFrameskip-v4 or ALE/Breakout-v5")
     if args.clip_coef == 0 and args.kl_penalty == 0:

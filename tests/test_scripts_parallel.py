@@ -11,7 +11,7 @@ from conftest import ROOT
 ONLY = {
     "ppg_procgen.py": {"ProcgenVecEnv", "ImpalaEncoder", "ResidualBlock", "normed_init_", "PROCGEN_GAMES"}
     | {"TestEnvs", "make_test_envs"},  # Procgen's test envs, on the levels that training does not play
-    "ppg_atari.py": {"AtariVecEnv", "NatureEncoder", "orthogonal_init_", "ale_protocol"},
+    "ppg_atari.py": {"AtariVecEnv", "NatureEncoder", "orthogonal_init_", "ale_protocol", "AleProtocol"},
 }
 # Shared names whose text differs by design, and why
 DIFFER = {
