@@ -56,7 +56,9 @@ def scalars_with_steps(run_dir, tag: str) -> list:
     return [e.step for e in acc.Scalars(tag)], acc
 
 
-# Procgen's: tests/test_resume.py, whose resumed run must log every scalar as the run unbroken does
+# Procgen's: tests/test_resume.py, whose resumed run must log every scalar as the run unbroken does; the refusal of a
+# second process on a live run: tests/test_guards.py, in this process
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ppg_atari.py"])
 def test_kill_9_then_resume_finishes_the_planned_steps_once(name, tmp_path, monkeypatch, capsys):
     proc = start(name, tmp_path)
@@ -127,7 +129,9 @@ def test_a_resume_hides_what_the_stopped_run_logged_after_its_checkpoint(tiny_ru
     assert steps == [64, 128, 192]
 
 
-# SIGTERM: tests/test_resume.py stops a Procgen run with it and resumes it
+# SIGTERM: tests/test_resume.py stops a Procgen run with it and resumes it, and tests/test_run_features.py runs the
+# stop line's command from another folder; Ctrl-C (SIGINT) goes through the same handler, hence slow
+@pytest.mark.slow
 @pytest.mark.parametrize("name, signum", [("ppg_atari.py", signal.SIGINT)])
 def test_sigterm_and_ctrl_c_print_the_resume_command_and_exit_128_plus_the_signal(name, signum, tmp_path):
     proc = start(name, tmp_path, "--total-timesteps", str(10**6))  # far too long to finish before the signal

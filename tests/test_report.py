@@ -1,13 +1,16 @@
 """tools/report.py: the per-game table (with the released code's figure at the same step where the protocol
 matches), rliable's IQM, mean and intervals over a runs x games matrix, the probability of improvement, the figure."""
 
+import contextlib
 import importlib.util
+import io
 import logging
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import unittest.mock
 
 import numpy as np
 import pytest
@@ -580,10 +583,12 @@ def generalization_sweep(folder, skip=(), running=()) -> None:
 
 
 def report_of(folder, *flags) -> str:
-    argv = [sys.executable, str(ROOT / "tools" / "report.py"), str(folder), "--reps", "100", *flags]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=PATIENCE_S)  # (rliable holds on to stderr)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    """tools/report.py's main() in this process with this command line; returns what it printed."""
+    out = io.StringIO()
+    with unittest.mock.patch.object(sys, "argv", ["report.py", str(folder), "--reps", "100", *flags]):
+        with contextlib.redirect_stdout(out):
+            load_report().main()
+    return out.getvalue()
 
 
 def test_a_generalization_sweep_reports_train_test_their_gap_and_train_procgens_ppo(tmp_path):

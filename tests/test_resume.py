@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -114,17 +115,23 @@ def test_a_run_killed_anywhere_and_resumed_is_the_run_unbroken(unbroken, tmp_pat
 
 def test_a_run_stopped_by_sigterm_before_a_checkpoint_lands_resumes_as_the_run_unbroken(unbroken, tmp_path):
     """SIGTERM at the worst moment for the log: phase 2's scalars are written and flushed, its checkpoint not yet
-    renamed into place. The resume hides them (TensorBoard's purge_step) and logs phase 2 again: each scalar once."""
+    renamed into place. The resume hides them (TensorBoard's purge_step) and logs phase 2 again: each scalar once. The
+    resume is the command the stop line printed, run as a shell splits it, from another folder."""
     argv = [sys.executable, "-c", SIGTERM_AT_CHECKPOINT_2, str(ROOT / "ppg_procgen.py"), *FLAGS]
     done = subprocess.run(argv, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
     assert torch.load(run / "checkpoint.pt", weights_only=True)["phase"] == 1
     assert len(scalars(run)["aux_phase/clone_kl"]) == 2  # phases 1 and 2's: on disk when the signal came
-    out = finish(start(tmp_path, "--resume", str(run)))
     hint = f"stopped by SIGTERM; resume with: {sys.executable} {ROOT / 'ppg_procgen.py'} --resume {run}"
     assert done.stdout.strip().endswith(hint)  # the interpreter and absolute paths: it works from any folder
-    assert "Traceback" not in done.stderr and ": bit for bit the run unbroken\n" in out
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    command = shlex.split(done.stdout.strip().splitlines()[-1].partition("resume with: ")[2])
+    resumed = subprocess.run(command, cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Traceback" not in done.stderr and ": bit for bit the run unbroken\n" in resumed.stdout
+    assert not list(elsewhere.iterdir())  # the resume wrote into the run's own folder, nothing where it was typed
     assert_the_unbroken_run(run, unbroken)
 
 

@@ -414,9 +414,9 @@ def test_the_learning_rate_is_logged_once_per_rollout_after_a_resume(runs, name)
     assert len(steps) == ROLLOUTS and len(set(steps)) == ROLLOUTS, steps
 
 
-def test_without_anneal_lr_no_learning_rate_is_logged(sigterm_run):
-    """The rate is constant without the flag: no charts/learning_rate."""
-    logged = scalars(sigterm_run.dir)
+def test_without_anneal_lr_no_learning_rate_is_logged(tiny_run):
+    """The rate is constant without the flag: no charts/learning_rate (the suite's shared tiny run)."""
+    logged = scalars(tiny_run("ppg_procgen.py").run_dir)
     assert "losses/policy_loss" in logged and "charts/learning_rate" not in logged
 
 
@@ -711,6 +711,8 @@ def sigterm_run(tmp_path_factory):
     )
 
 
+# tests/test_resume.py runs the stop line's command from another folder too, with a run stopped at its worst moment
+@pytest.mark.slow
 def test_the_stop_line_is_a_command_that_resumes_from_anywhere(sigterm_run):
     """On SIGTERM after a checkpoint, the last line names this Python, the script's absolute path and the run's
     absolute folder; that command, run from another folder, resumes the run to its end."""
