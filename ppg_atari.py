@@ -2,8 +2,8 @@
 
 Read it from the top: the flags, the envs, the two networks, the losses, the buffer B, the rollout, the targets, the
 two phases, and main(), which follows the paper's Algorithm 1. Below the banner that comes after main() is the run's
-plumbing (flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals, progress
-lines); a change to the algorithm seldom needs to touch it.
+plumbing (seeds, flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals,
+progress lines); a change to the algorithm seldom needs to touch it.
 """
 
 import dataclasses

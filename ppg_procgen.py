@@ -2,8 +2,8 @@
 
 Read it from the top: the flags, the envs, the two networks, the losses, the buffer B, the rollout, the targets, the
 two phases, and main(), which follows the paper's Algorithm 1. Below the banner that comes after main() is the run's
-plumbing (flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals, progress
-lines); a change to the algorithm seldom needs to touch it.
+plumbing (seeds, flag checks, resume, the run's folder and its lock, W&B, memory planning, checkpoints, signals,
+progress lines, and the test envs of the generalization protocol); a change to the algorithm seldom needs to touch it.
 """
 
 import dataclasses
@@ -53,7 +53,8 @@ class Args:
     distribution_mode: Literal["easy", "hard"] = "easy"  # the levels' difficulty (the PPG paper trains on hard)
     num_levels: int = 0  # the number of training levels (0: the full distribution of levels)
     start_level: int = 0  # the seed of the first training level
-    # With --num-levels above 0: envs that play unseen levels beside training (unset: --num-envs of them; 0: none)
+    # With --num-levels above 0: test envs that play the full distribution of levels, unseen in training, with the
+    # current policy, logged as charts/test_episodic_* (unset: as many as --num-envs; 0: none)
     num_test_envs: Optional[int] = None
     total_timesteps: int = 25_000_000  # env steps to train for (rounded up to whole rollouts)
     learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant, as in the released code)
