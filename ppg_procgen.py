@@ -54,7 +54,7 @@ class Args:
     num_levels: int = 0  # the number of training levels (0: the full distribution of levels)
     start_level: int = 0  # the seed of the first training level
     # With --num-levels above 0: test envs that play the full distribution of levels, unseen in training, with the
-    # current policy, logged as charts/test_episodic_* (unset: as many as --num-envs; 0: none)
+    # current policy, logged as charts/test_episodic_* (unset: as many as the training envs; 0: none)
     num_test_envs: Optional[int] = None
     total_timesteps: int = 25_000_000  # env steps to train for (rounded up to whole rollouts)
     learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant, as in the released code)
