@@ -52,7 +52,7 @@ class Args:
     clip_rewards: bool = True  # if toggled, train on the sign of each reward
     max_episode_frames: int = 108_000  # the most frames of a game (30 minutes)
     total_timesteps: int = 10_000_000  # env steps to train for (rounded up to whole rollouts)
-    learning_rate: float = 2.5e-4  # Adam's learning rate in both phases (constant)
+    learning_rate: float = 2.5e-4  # Adam's learning rate in both phases (constant unless --anneal-lr)
     anneal_lr: bool = False  # if toggled, anneal the learning rate linearly to 0 over the run (PPO's Atari recipe)
     num_envs: int = 8  # parallel envs
     num_steps: int = 128  # steps of each env per rollout
@@ -76,7 +76,8 @@ class Args:
     aux_mb_trajectories: int = 4  # trajectories (rows of B) per auxiliary minibatch
     # end an auxiliary phase early once an epoch's mean KL(pi_old || pi) exceeds this (0: never)
     aux_kl_stop: float = 0.0
-    micro_batch_size: Optional[int] = None  # states per backward pass (0: whole minibatches; unset: chosen from memory)
+    # states per backward pass (0: whole minibatches; unset: 256 on a CPU, on a GPU whole minibatches where they fit)
+    micro_batch_size: Optional[int] = None
     # fp32; tf32: TensorFloat-32 matrix products (GPUs only); bf16: the trunks in bfloat16, the heads and losses in fp32
     precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
@@ -539,7 +540,7 @@ def main(args: Args, given: set):
 
 # =====================================================================================================================
 # The run's plumbing: seeds, the schedule of --anneal-lr, the NaN check, flag checks, resume, the run's folder and its
-# lock, W&B, memory planning, checkpoints, signals and progress lines. Above is PPG; below is what runs it.
+# lock, W&B, memory planning, checkpoints, signals, progress lines. Above is PPG; below is what runs it.
 # =====================================================================================================================
 
 BASE_SCRIPT = "ppg_atari.py"  # the script this file is, or was copied from (checkpoints record it: tools/ reads it)
@@ -673,6 +674,8 @@ def resume_args(args: Args, given: set):
             raise ValueError(f"written by {state['script']}")
     except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
+    if "torch_rng" not in state:  # versions before cea22d9 saved the weights, not the envs and random streams
+        sys.exit(f"error: --resume {path}: holds no env or random state to go on from (tools/evaluate.py reads it)")
     flags = {k: v for k, v in state["args"].items() if k not in RETIRED_FLAGS}
     for name in sorted(state["args"].keys() & RETIRED_FLAGS.keys()):
         if state["args"][name] != RETIRED_FLAGS[name]:
@@ -802,6 +805,8 @@ def setup(args: Args, given: set) -> Optional[Run]:
     same["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()  # AVX2 and AVX512 kernels round differently
     recorded = ckpt.get("same", {}) if ckpt else {}  # older versions' checkpoints record none
     not_exact = [f"{k} {v} -> {same[k]}" for k, v in recorded.items() if v != same.get(k)]
+    if ckpt and same.keys() - recorded.keys():
+        not_exact.append(f"conditions not recorded: {', '.join(sorted(same.keys() - recorded.keys()))}")
     if ckpt and not ckpt.get("exact", True):
         not_exact.append("an earlier resume was not exact")
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -928,14 +933,15 @@ def duration(seconds: float) -> str:
 
 class Progress:
     """Progress lines on the console: one per rollout, and within long work (a rollout, an update, an aux epoch) one
-    whenever 20 seconds have passed since the last line (the first 10 seconds in), so that a slow run (the defaults on
-    a CPU) shows that it is alive. Reading the clock costs no wait for the device."""
+    whenever 20 seconds have passed since the last progress or rollout line (the first 10 seconds after training
+    starts), so that a slow run (the defaults on a CPU) shows that it is alive. Reading the clock costs no wait for the
+    device."""
 
     def __init__(self, plan: Dict, batch_size: int, start_step: int):
         self.plan, self.batch_size = plan, batch_size
         self.start_time, self.start_step = time.time(), start_step
         self.work, self.done, self.work_start, self.first = None, 0, 0.0, 0
-        self.last_line = time.time() - 10  # so that the first line comes 10 seconds into the work, later ones every 20
+        self.last_line = time.time() - 10  # so that the first line comes 10 seconds after training starts
 
     def tick(self, work: str, done: int, total: int, unit: str):
         now = time.time()

@@ -57,7 +57,7 @@ class Args:
     # current policy, logged as charts/test_episodic_* (unset: as many as the training envs; 0: none)
     num_test_envs: Optional[int] = None
     total_timesteps: int = 25_000_000  # env steps to train for (rounded up to whole rollouts)
-    learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant, as in the released code)
+    learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant unless --anneal-lr, as released)
     anneal_lr: bool = False  # if toggled, anneal the learning rate linearly to 0 over the run (PPO's Atari recipe)
     num_envs: int = 64  # parallel envs (the paper: 256, with 16 trajectories per auxiliary minibatch)
     num_steps: int = 256  # steps of each env per rollout
@@ -81,7 +81,8 @@ class Args:
     aux_mb_trajectories: int = 4  # trajectories (rows of B) per auxiliary minibatch
     # end an auxiliary phase early once an epoch's mean KL(pi_old || pi) exceeds this (0: never)
     aux_kl_stop: float = 0.0
-    micro_batch_size: Optional[int] = None  # states per backward pass (0: whole minibatches; unset: chosen from memory)
+    # states per backward pass (0: whole minibatches; unset: 256 on a CPU, on a GPU whole minibatches where they fit)
+    micro_batch_size: Optional[int] = None
     # fp32; tf32: TensorFloat-32 matrix products (GPUs only); bf16: the trunks in bfloat16, the heads and losses in fp32
     precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
@@ -153,8 +154,8 @@ class ImpalaEncoder(nn.Module):
     def __init__(self, obs_shape, channels=(16, 32, 32), out_features=256):
         super().__init__()
         h, w, c = obs_shape
-        # As released, the scale of each residual convolution is the square root of 1/sqrt(3) (3 stacks), divided by
-        # sqrt(2) (2 blocks per stack); the two convolutions of a block share it
+        # As released, the scale of each residual convolution is the square root of (1/sqrt(3) for 3 stacks, divided
+        # by sqrt(2) for 2 blocks per stack); the two convolutions of a block share it
         res_scale = math.sqrt(1 / math.sqrt(len(channels)) / math.sqrt(2))
         layers = []
         for out in channels:
@@ -542,12 +543,14 @@ def main(args: Args, given: set):
     finally:
         close_run(run, trained=global_step > start_step)
     envs.env.close()
+    if test_envs is not None:
+        test_envs.envs.env.close()
     print(evaluate_hint(run))
 
 
 # =====================================================================================================================
 # The run's plumbing: seeds, the schedule of --anneal-lr, the NaN check, flag checks, resume, the run's folder and its
-# lock, W&B, memory planning, checkpoints, signals and progress lines. Above is PPG; below is what runs it.
+# lock, W&B, memory planning, checkpoints, signals, progress lines and the test envs. Above is PPG; below is what runs it.
 # =====================================================================================================================
 
 BASE_SCRIPT = "ppg_procgen.py"  # the script this file is, or was copied from (checkpoints record it: tools/ reads it)
@@ -677,7 +680,10 @@ def resume_args(args: Args, given: set):
             raise ValueError(f"written by {state['script']}")
     except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
+    if "torch_rng" not in state:  # versions before cea22d9 saved the weights, not the envs and random streams
+        sys.exit(f"error: --resume {path}: holds no env or random state to go on from (tools/evaluate.py reads it)")
     flags = {k: v for k, v in state["args"].items() if k not in RETIRED_FLAGS}
+    flags.setdefault("num_test_envs", 0)  # a run from before the test envs existed goes on without them
     for name in sorted(state["args"].keys() & RETIRED_FLAGS.keys()):
         if state["args"][name] != RETIRED_FLAGS[name]:
             flag, fixed = f"--{name.replace('_', '-')} {state['args'][name]}", RETIRED_FLAGS[name]
@@ -686,7 +692,10 @@ def resume_args(args: Args, given: set):
     if unknown:
         sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")
     saved = dict(vars(Args()), **flags)
-    may_change = "resume total_timesteps cuda micro_batch_size track wandb_project_name wandb_entity".split()
+    # The flags that do not change what the run trains (the test envs only watch it)
+    may_change = (
+        "resume total_timesteps cuda micro_batch_size track wandb_project_name wandb_entity num_test_envs".split()
+    )
     for name in sorted(given & saved.keys()):
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if name not in may_change and value != saved[name]:
@@ -806,6 +815,8 @@ def setup(args: Args, given: set) -> Optional[Run]:
     same["cpu_kernels"] = torch.backends.cpu.get_cpu_capability()  # AVX2 and AVX512 kernels round differently
     recorded = ckpt.get("same", {}) if ckpt else {}  # older versions' checkpoints record none
     not_exact = [f"{k} {v} -> {same[k]}" for k, v in recorded.items() if v != same.get(k)]
+    if ckpt and same.keys() - recorded.keys():
+        not_exact.append(f"conditions not recorded: {', '.join(sorted(same.keys() - recorded.keys()))}")
     if ckpt and not ckpt.get("exact", True):
         not_exact.append("an earlier resume was not exact")
     run_name = ckpt["run_name"] if ckpt else f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -932,14 +943,15 @@ def duration(seconds: float) -> str:
 
 class Progress:
     """Progress lines on the console: one per rollout, and within long work (a rollout, an update, an aux epoch) one
-    whenever 20 seconds have passed since the last line (the first 10 seconds in), so that a slow run (the defaults on
-    a CPU) shows that it is alive. Reading the clock costs no wait for the device."""
+    whenever 20 seconds have passed since the last progress or rollout line (the first 10 seconds after training
+    starts), so that a slow run (the defaults on a CPU) shows that it is alive. Reading the clock costs no wait for the
+    device."""
 
     def __init__(self, plan: Dict, batch_size: int, start_step: int):
         self.plan, self.batch_size = plan, batch_size
         self.start_time, self.start_step = time.time(), start_step
         self.work, self.done, self.work_start, self.first = None, 0, 0.0, 0
-        self.last_line = time.time() - 10  # so that the first line comes 10 seconds into the work, later ones every 20
+        self.last_line = time.time() - 10  # so that the first line comes 10 seconds after training starts
 
     def tick(self, work: str, done: int, total: int, unit: str):
         now = time.time()
@@ -975,15 +987,17 @@ class TestEnvs:
 
     def __init__(self, args: Args, count: int, seed: int, device, writer):
         self.envs = ProcgenVecEnv(args, count, 0, args.start_level, seed + 1)
-        self.generator = torch.Generator(device).manual_seed(seed)
+        # A generator on the host, whatever the device: its state then resumes on a GPU or a CPU alike
+        self.generator = torch.Generator().manual_seed(seed)
         self.obs = torch.from_numpy(self.envs.reset()).to(device)
         self.writer, self.recent_returns = writer, deque(maxlen=100)
 
     @torch.no_grad()
     def step(self, agent: PPGAgent, step: int):
         logits = agent(self.obs, value=False).logits
-        actions = torch.multinomial(logits.softmax(-1), 1, generator=self.generator).squeeze(-1)
-        obs, _, _, finished = self.envs.step(actions.cpu().numpy())
+        # Sampled on the host, where the envs need the actions: one copy of the probabilities per step
+        actions = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=self.generator).squeeze(-1)
+        obs, _, _, finished = self.envs.step(actions.numpy())
         self.obs = torch.from_numpy(obs).to(self.obs.device)
         for _, ep_return, length in finished:
             self.writer.add_scalar("charts/test_episodic_return", ep_return, step)

@@ -744,3 +744,28 @@ def test_the_stop_line_quotes_a_folder_with_a_space(script, tmp_path, monkeypatc
             signal.signal(s, h)
     hint = capfd.readouterr().out.strip().partition("resume with: ")[2]
     assert shlex.split(hint) == [sys.executable, str(ROOT / script.SCRIPT), "--resume", str(run_dir)]
+
+
+# Older checkpoints ---------------------------------------------------------------------------------------------------
+def test_older_checkpoints_resume_as_what_they_hold(tiny_run, tmp_path, monkeypatch, capsys):
+    """A checkpoint without random streams (versions before cea22d9) is refused in one line; one that recorded fewer
+    conditions (no CPU kernels) resumes saying which were not recorded; a Procgen run from before the test envs goes
+    on without them. The test envs' generator lives on the host, so its state resumes on a CPU or a GPU alike."""
+    from conftest import copy_run
+
+    script = load_script("ppg_procgen.py")
+    run = copy_run(tiny_run("ppg_procgen.py"), tmp_path)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["test_envs"]["generator"].dtype == torch.uint8 and state["test_envs"]["generator"].numel() == 5056
+    torch.save({k: v for k, v in state.items() if k != "torch_rng"}, run / "checkpoint.pt")
+    (tmp_path / "elsewhere").mkdir()
+    message = refusal(script, ["--resume", str(run)], tmp_path / "elsewhere", monkeypatch)
+    assert message.endswith("holds no env or random state to go on from (tools/evaluate.py reads it)"), message
+    older = dict(state, same={k: v for k, v in state["same"].items() if k != "cpu_kernels"})
+    older["args"] = {k: v for k, v in state["args"].items() if k != "num_test_envs"}
+    torch.save(older, run / "checkpoint.pt")
+    main_in_process(script, ["--resume", str(run), "--total-timesteps", "256"], tmp_path, monkeypatch)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("resumed from")]
+    assert line.endswith(": not exact: conditions not recorded: cpu_kernels"), line
+    resumed = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert resumed["args"]["num_test_envs"] == 0 and "test_envs" not in resumed and resumed["exact"] is False

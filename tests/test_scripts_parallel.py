@@ -22,6 +22,7 @@ DIFFER = {
     "BASE_SCRIPT": "the name of each (a copy keeps its original's)",
     "make_plan": "the env flags' checks (Atari's env id; that procgen is installed)",
     "collect_rollout": "Procgen's test envs step beside training",
+    "resume_args": "Procgen's runs from before the test envs go on without them",
     "PPGAgent": "the network and its initialisation",
     "main": "the env's construction, and Procgen's test envs",
 }
