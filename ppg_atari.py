@@ -52,7 +52,7 @@ class Args:
     clip_rewards: bool = True  # if toggled, train on the sign of each reward
     max_episode_frames: int = 108_000  # the most frames of a game (30 minutes)
     total_timesteps: int = 10_000_000  # env steps to train for (rounded up to whole rollouts)
-    learning_rate: float = 2.5e-4  # Adam's learning rate in both phases (constant unless --anneal-lr)
+    learning_rate: float = 2.5e-4  # Adam's learning rate in both phases (constant unless annealed)
     anneal_lr: bool = False  # if toggled, anneal the learning rate linearly to 0 over the run (PPO's Atari recipe)
     num_envs: int = 8  # parallel envs
     num_steps: int = 128  # steps of each env per rollout
@@ -674,13 +674,13 @@ def resume_args(args: Args, given: set):
             raise ValueError(f"written by {state['script']}")
     except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
-    if "torch_rng" not in state:  # versions before cea22d9 saved the weights, not the envs and random streams
-        sys.exit(f"error: --resume {path}: holds no env or random state to go on from (tools/evaluate.py reads it)")
     flags = {k: v for k, v in state["args"].items() if k not in RETIRED_FLAGS}
     for name in sorted(state["args"].keys() & RETIRED_FLAGS.keys()):
         if state["args"][name] != RETIRED_FLAGS[name]:
             flag, fixed = f"--{name.replace('_', '-')} {state['args'][name]}", RETIRED_FLAGS[name]
             sys.exit(f"error: --resume {path}: written with {flag}, a retired flag this version fixes at {fixed}")
+    if "torch_rng" not in state:  # versions before cea22d9 saved the weights, not the envs and random streams
+        sys.exit(f"error: --resume {path}: holds no env or random state to go on from (tools/evaluate.py reads it)")
     unknown = sorted(flags.keys() - vars(Args()).keys())
     if unknown:
         sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")

@@ -57,7 +57,7 @@ class Args:
     # current policy, logged as charts/test_episodic_* (unset: as many as the training envs; 0: none)
     num_test_envs: Optional[int] = None
     total_timesteps: int = 25_000_000  # env steps to train for (rounded up to whole rollouts)
-    learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant unless --anneal-lr, as released)
+    learning_rate: float = 5e-4  # Adam's learning rate in both phases (constant, as released, unless annealed)
     anneal_lr: bool = False  # if toggled, anneal the learning rate linearly to 0 over the run (PPO's Atari recipe)
     num_envs: int = 64  # parallel envs (the paper: 256, with 16 trajectories per auxiliary minibatch)
     num_steps: int = 256  # steps of each env per rollout
@@ -680,14 +680,14 @@ def resume_args(args: Args, given: set):
             raise ValueError(f"written by {state['script']}")
     except Exception as e:
         sys.exit(f"error: --resume {path}: not a readable checkpoint of {SCRIPT} ({type(e).__name__}: {e})"[:300])
-    if "torch_rng" not in state:  # versions before cea22d9 saved the weights, not the envs and random streams
-        sys.exit(f"error: --resume {path}: holds no env or random state to go on from (tools/evaluate.py reads it)")
     flags = {k: v for k, v in state["args"].items() if k not in RETIRED_FLAGS}
     flags.setdefault("num_test_envs", 0)  # a run from before the test envs existed goes on without them
     for name in sorted(state["args"].keys() & RETIRED_FLAGS.keys()):
         if state["args"][name] != RETIRED_FLAGS[name]:
             flag, fixed = f"--{name.replace('_', '-')} {state['args'][name]}", RETIRED_FLAGS[name]
             sys.exit(f"error: --resume {path}: written with {flag}, a retired flag this version fixes at {fixed}")
+    if "torch_rng" not in state:  # versions before cea22d9 saved the weights, not the envs and random streams
+        sys.exit(f"error: --resume {path}: holds no env or random state to go on from (tools/evaluate.py reads it)")
     unknown = sorted(flags.keys() - vars(Args()).keys())
     if unknown:
         sys.exit(f"error: --resume {path}: written with flags this version lacks: {unknown}")
