@@ -86,7 +86,7 @@ class Args:
 class AleProtocol(NamedTuple):
     ale_id: str  # the v5 id, whose vector env ale-py has
     sticky: float  # the probability of repeating the last action
-    noop_max: int  # the most no-op actions at a game's start
+    noop_max: int  # the largest number of no-op actions that begin each game
     fire_reset: bool  # whether FIRE starts a game
 
 
