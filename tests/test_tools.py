@@ -143,6 +143,54 @@ def test_plot_runs_draws_a_png(tmp_path):
     assert line.startswith("error") and "nope" in line and "Traceback" not in done.stderr
 
 
+def test_plot_runs_and_summarise_run_draw_and_read_the_test_envs_beside_train_procgens_ppo(tmp_path, monkeypatch):
+    """A run with test envs: summarise_run prints the test envs' mean return beside the training one, and plot_runs
+    --test draws a second panel of them; --train-procgen draws the lowest and highest of train-procgen's three runs
+    (made-up CSVs: run r's eprewmean at row k is k + r for train and k - r for test, one row per 16,384 env steps),
+    up to the runs' last env step."""
+    image = pytest.importorskip("matplotlib.image")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for i in range(300):  # returns i at steps 1000 (i + 1); test returns 2i at steps 1000 (i + 1) + 500
+        writer.add_scalar("charts/episodic_return", float(i), (i + 1) * 1000)
+        writer.add_scalar("charts/test_episodic_return", 2.0 * i, (i + 1) * 1000 + 500)
+    writer.add_scalar("charts/SPS", 50.0, 300_000)
+    writer.close()
+    summarise = [sys.executable, str(ROOT / "tools" / "summarise_run.py"), str(tmp_path / "run"), "--at", "150000"]
+    done = subprocess.run(summarise, capture_output=True, text=True)
+    # returns 50..149 up to step 150,000 (mean 99.5); test returns 2 x (49..148), the last 100 logged by step
+    # 149,500 (mean 197)
+    assert "150,000 steps: mean return   99.50 over the last 100 episodes; test 197.00 over the last 100" in done.stdout
+
+    checkout = tmp_path / "train-procgen"
+    for r, run in enumerate(("easy-200-run0", "easy-200-run1", "easy-200-run2")):
+        (checkout / "train_procgen" / "results" / run).mkdir(parents=True)
+        for split, sign in (("train", 1), ("test", -1)):
+            rows = "\n".join(f"{k + sign * r},{k * 16_384}" for k in range(1, 100))
+            path = checkout / "train_procgen" / "results" / run / f"progress-starpilot-{split}.csv"
+            path.write_text("eprewmean,misc/total_timesteps\n" + rows + "\n")
+    out = tmp_path / "generalization.png"
+    tool = [sys.executable, str(ROOT / "tools" / "plot_runs.py"), str(tmp_path / "run"), "--test", "--out", str(out)]
+    done = subprocess.run(
+        [*tool, "--train-procgen", str(checkout), "--game", "starpilot"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert image.imread(str(out)).shape[:2] == (440, 1210)  # two panels: figsize (11, 4) inches at 110 dpi
+    done = subprocess.run([*tool, "--train-procgen", str(checkout)], capture_output=True, text=True)
+    assert done.returncode == 2 and "--train-procgen and --game go together" in done.stderr
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location("plot_runs", ROOT / "tools" / "plot_runs.py")
+    plot_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_runs)
+    spread = plot_runs.train_procgen_spread(str(checkout), "starpilot", 300_500)
+    k = np.arange(1, 19)  # the rows up to 300,500 env steps: 18 x 16,384 = 294,912
+    for split, low, high in (("train", k, k + 2), ("test", k - 2, k)):
+        steps, lowest, highest = spread[split]
+        assert np.array_equal(steps, k * 16_384) and np.array_equal(lowest, low) and np.array_equal(highest, high)
+
+
 @pytest.mark.slow  # 8 s: the benchmark is a tool for figures, not part of a training run
 def test_benchmark_runs_and_prints_its_figures(tmp_path):
     """tools/benchmark.py on the smallest Atari config that still has the default envs and an aux phase (3 rollouts

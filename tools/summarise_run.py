@@ -1,4 +1,5 @@
-"""Print a run's mean return over its last 100 finished episodes at given env steps, and its SPS.
+"""Print a run's mean return over its last 100 finished episodes at given env steps, and its SPS. A run with test
+envs (--num-levels above 0) also gets the mean return of its test envs' last 100 episodes, on the unseen levels.
 
 python tools/summarise_run.py runs/BreakoutNoFrameskip-v4__ppg__1__1796042480 --at 100000 250000 500000
 python tools/summarise_run.py runs/paper/bigfish__ppg__1      # a run of tools/sweep.py: its runs/<run_name>/ inside
@@ -57,6 +58,9 @@ def main() -> None:
     episodes = acc.Scalars("charts/episodic_return") if "charts/episodic_return" in tags else []
     steps = np.array([e.step for e in episodes])
     returns = np.array([e.value for e in episodes])
+    test_episodes = acc.Scalars("charts/test_episodic_return") if "charts/test_episodic_return" in tags else []
+    test_steps = np.array([e.step for e in test_episodes])
+    test_returns = np.array([e.value for e in test_episodes])
     last_step = max(e.step for e in acc.Scalars("charts/SPS"))
     for at in args.at:
         if at > last_step:
@@ -66,7 +70,11 @@ def main() -> None:
         if len(window) == 0:
             print(f"{at:>9,} steps: no episode had finished yet")
             continue
-        print(f"{at:>9,} steps: mean return {window.mean():7.2f} over the last {len(window)} episodes")
+        line = f"{at:>9,} steps: mean return {window.mean():7.2f} over the last {len(window)} episodes"
+        test_window = test_returns[test_steps <= at][-args.window :] if test_episodes else []
+        if len(test_window):
+            line += f"; test {test_window.mean():.2f} over the last {len(test_window)}"
+        print(line)
     sps = acc.Scalars("charts/SPS")[-1]
     print(f"SPS at step {sps.step:,}: {sps.value:.0f} (env steps per second since the start)")
 
