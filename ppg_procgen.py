@@ -483,27 +483,27 @@ def main(args: Args, given: set):
     global_step = run.ckpt["global_step"] if run.ckpt else 0
     batch_size = args.num_envs * args.num_steps
     iteration, start_step = global_step // batch_size, global_step
-    seed = seed_everything(args, phase)
-    envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
-    agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi and theta_V
-    # As released, one Adam per phase, and a third for the value epochs when E_pi != E_V; each holds every parameter
-    optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
-    policy_optimizer, aux_optimizer, value_optimizer = optimizers
-    reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
-    buffers = {}  # B: for each field of buffer_fields, an array of (trajectories, steps) items
-    for name, (shape, dtype) in buffer_fields(envs.num_actions).items():
-        buffers[name] = torch.zeros(plan["trajectories"], args.num_steps, *shape, dtype=dtype, device=device)
-    recent_returns = deque(maxlen=100)
-    stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
-    stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer, envs=envs)
-    test_envs = make_test_envs(args, seed, device, run.writer)  # unseen levels, with --num-levels above 0
-    if test_envs is not None:
-        stateful["test_envs"] = test_envs
-    if run.ckpt:
-        restore(run, stateful, recent_returns)
-    next_obs = torch.from_numpy(envs.reset()).to(device)
-    progress = Progress(plan, batch_size, start_step)
-    try:
+    try:  # from here on, a fresh run stopped before its first rollout ended leaves no folder
+        seed = seed_everything(args, phase)
+        envs = ProcgenVecEnv(args, args.num_envs, args.num_levels, args.start_level, seed)
+        agent = PPGAgent(args, OBS_SHAPE, envs.num_actions).to(device)  # theta_pi and theta_V
+        # As released, one Adam per phase, and a third for the value epochs when E_pi != E_V; each holds every parameter
+        optimizers = [torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-8) for _ in range(3)]
+        policy_optimizer, aux_optimizer, value_optimizer = optimizers
+        reward_normalizer = RewardNormalizer(args.num_envs, args.reward_norm_gamma)
+        buffers = {}  # B: for each field of buffer_fields, an array of (trajectories, steps) items
+        for name, (shape, dtype) in buffer_fields(envs.num_actions).items():
+            buffers[name] = torch.zeros(plan["trajectories"], args.num_steps, *shape, dtype=dtype, device=device)
+        recent_returns = deque(maxlen=100)
+        stateful = dict(agent=agent, policy_optimizer=policy_optimizer, aux_optimizer=aux_optimizer)
+        stateful.update(value_optimizer=value_optimizer, reward_normalizer=reward_normalizer, envs=envs)
+        test_envs = make_test_envs(args, seed, device, run.writer)  # unseen levels, with --num-levels above 0
+        if test_envs is not None:
+            stateful["test_envs"] = test_envs
+        if run.ckpt:
+            restore(run, stateful, recent_returns)
+        next_obs = torch.from_numpy(envs.reset()).to(device)
+        progress = Progress(plan, batch_size, start_step)
         while iteration < plan["num_iterations"]:
             phase, phase_start = phase + 1, time.time()
             # The policy phase: N_pi rollouts, each followed by E_pi policy epochs and E_V value epochs

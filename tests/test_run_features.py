@@ -552,13 +552,17 @@ def test_a_finished_run_resumed_with_its_budget_says_to_raise_it(runs, name, mon
     assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
 
 
-def test_a_run_stopped_before_training_leaves_no_folder(script, tmp_path, monkeypatch, capsys):
-    """Stopped at its first rollout (as by Ctrl-C: SystemExit(130)), a fresh run removes its folder."""
+@pytest.mark.parametrize("where", ["envs", "collect_rollout"])
+def test_a_run_stopped_before_training_leaves_no_folder(script, where, tmp_path, monkeypatch, capsys):
+    """Stopped (as by Ctrl-C: SystemExit(130)) while its envs are being created, right after the run's folder was
+    opened, or at its first rollout, a fresh run removes its folder."""
 
     def interrupted(*args, **kwargs):
         raise SystemExit(130)
 
-    monkeypatch.setattr(script, "collect_rollout", interrupted)
+    if where == "envs":
+        where = "ProcgenVecEnv" if script.SCRIPT == "ppg_procgen.py" else "AtariVecEnv"
+    monkeypatch.setattr(script, where, interrupted)
     with pytest.raises(SystemExit):
         main_in_process(script, FLAGS[script.SCRIPT], tmp_path, monkeypatch)
     assert not list((tmp_path / "runs").iterdir())
