@@ -272,9 +272,9 @@ def summarised_returns(run, steps, monkeypatch, capsys) -> dict:
     return found
 
 
-def readme_table(header: str) -> dict:
-    """{first cell: the other cells} of the README table under this header row."""
-    readme = (ROOT / "README.md").read_text()
+def readme_table(header: str, path: str = "README.md") -> dict:
+    """{first cell: the other cells} of the table under this header row in the README (or another of the docs)."""
+    readme = (ROOT / path).read_text()
     rows = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
     return {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
 
@@ -315,3 +315,44 @@ def test_readme_starpilot_table_comes_from_the_committed_logs(monkeypatch, capsy
         minutes = round(sum(seconds.values()) / 60)
         rate = 4 * phase_steps / sum(seconds.values())
         assert table["wall time (env steps/s)"][column] == f"{minutes // 60} h {minutes % 60} min ({rate:.1f})", method
+
+
+def test_generalization_demonstration_table_comes_from_the_committed_logs(monkeypatch, capsys):
+    """docs/results.md's table of the generalization demonstration: each train and test return of PPG and PPO is what
+    tools/summarise_run.py reads from the run's event files in docs/logs/generalization-cpu, or "-" at a step the run
+    has not reached; where a copy of openai/train-procgen is found ($PPG_TRAIN_PROCGEN, else ../train-procgen), each of
+    its cells is the lowest to highest of its three runs at the row at or below the step (tools/train_procgen.py)."""
+    import os
+    import pathlib
+
+    header = "| env steps | PPG train | PPG test | PPO train | PPO test | train-procgen's PPO train | its test |"
+    table = readme_table(header, "docs/results.md")
+    steps = {"0.25M (262,144)": 262_144, "0.5M (524,288)": 524_288, "1M (1,048,576)": 1_048_576}
+    assert sorted(table) == sorted(steps)
+    for column, method in enumerate(("ppg", "ppo")):
+        run = ROOT / "docs" / "logs" / "generalization-cpu" / f"starpilot__{method}-demo__1"
+        spec = importlib.util.spec_from_file_location("summarise_run", ROOT / "tools" / "summarise_run.py")
+        summarise = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(summarise)
+        monkeypatch.setattr(sys, "argv", ["summarise_run.py", str(run), "--at", *map(str, steps.values())])
+        summarise.main()
+        found = {}
+        for line in capsys.readouterr().out.splitlines():
+            if (
+                "mean return" in line
+            ):  # "  524,288 steps: mean return    3.50 over the last 100 episodes; test 2.81 ..."
+                at, words = line.split("steps:")
+                found[int(at.replace(",", ""))] = (words.split()[2], words.split("; test ")[1].split()[0])
+        for row, step in steps.items():
+            train, test = found.get(step, ("-", "-"))
+            assert table[row][2 * column : 2 * column + 2] == [train, test], (method, row)
+    given = pathlib.Path(os.environ.get("PPG_TRAIN_PROCGEN", str(ROOT.parent / "train-procgen")))
+    if not (given / "train_procgen" / "results" / "easy-200-run0").is_dir():
+        pytest.skip(f"no copy of openai/train-procgen at {given} ($PPG_TRAIN_PROCGEN): its columns not recomputed")
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import train_procgen
+
+    for row, step in steps.items():
+        runs = train_procgen.at_step(given, "starpilot", step)
+        for column, figures in ((4, [r[2] for r in runs]), (5, [r[1] for r in runs])):
+            assert table[row][column] == f"{min(figures):.2f} to {max(figures):.2f}", (row, column)
