@@ -2,6 +2,8 @@
 figures and plots; tools/benchmark.py; and every tool's --help."""
 
 import importlib.util
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -190,6 +192,18 @@ def test_plot_runs_and_summarise_run_draw_and_read_the_test_envs_beside_train_pr
         steps, lowest, highest = spread[split]
         assert np.array_equal(steps, k * 16_384) and np.array_equal(lowest, low) and np.array_equal(highest, high)
 
+    # The test panel's curve is the test envs' own, and ends at the last rollout (charts/SPS at 300,000): the test
+    # episode at 300,500, logged during a rollout that did not finish, is left out
+    steps, mean = plot_runs.trailing_mean(str(tmp_path / "run"), 100, plot_runs.TEST_TAG)
+    assert steps[-1] == 299_500 and mean[-1] == 2 * np.mean(np.arange(199, 299))
+    _write_run(tmp_path / "no_test_envs", 0.0)  # a run without test envs: --test stops in one line naming the tag
+    done = subprocess.run(
+        [*tool[:2], str(tmp_path / "no_test_envs"), "--test", "--out", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and done.stderr.strip().endswith(
+        "no charts/test_episodic_return scalars (no finished episode logged, or not a run folder)"
+    )
+
 
 @pytest.mark.slow  # 8 s: the benchmark is a tool for figures, not part of a training run
 def test_benchmark_runs_and_prints_its_figures(tmp_path):
@@ -198,7 +212,6 @@ def test_benchmark_runs_and_prints_its_figures(tmp_path):
     states): the script's own main() runs, timed from outside, and every figure is printed. Only how the printed
     figures follow from each other is checked, never their size: the suite runs on loaded machines too, where any
     speed, and so any efficiency, can come out (docs/benchmarks.md has measured ones, on an idle machine)."""
-    import os
     import re
 
     env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -322,9 +335,6 @@ def test_generalization_demonstration_table_comes_from_the_committed_logs(monkey
     tools/summarise_run.py reads from the run's event files in docs/logs/generalization-cpu, or "-" at a step the run
     has not reached; where a copy of openai/train-procgen is found ($PPG_TRAIN_PROCGEN, else ../train-procgen), each of
     its cells is the lowest to highest of its three runs at the row at or below the step (tools/train_procgen.py)."""
-    import os
-    import pathlib
-
     header = "| env steps | PPG train | PPG test | PPO train | PPO test | train-procgen's PPO train | its test |"
     table = readme_table(header, "docs/results.md")
     steps = {"0.25M (262,144)": 262_144, "0.5M (524,288)": 524_288, "1M (1,048,576)": 1_048_576}
@@ -338,9 +348,8 @@ def test_generalization_demonstration_table_comes_from_the_committed_logs(monkey
         summarise.main()
         found = {}
         for line in capsys.readouterr().out.splitlines():
-            if (
-                "mean return" in line
-            ):  # "  524,288 steps: mean return    3.50 over the last 100 episodes; test 2.81 ..."
+            # "  524,288 steps: mean return    3.63 over the last 100 episodes; test 2.81 over the last 100"
+            if "mean return" in line:
                 at, words = line.split("steps:")
                 found[int(at.replace(",", ""))] = (words.split()[2], words.split("; test ")[1].split()[0])
         for row, step in steps.items():

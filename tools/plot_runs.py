@@ -7,8 +7,10 @@
         --labels PPG PPO --test --train-procgen ../train-procgen --game starpilot --out docs/generalization-cpu.png
 
 Runs that share a label are seeds of one method: each seed's curve is drawn faint, and their mean (over the
-steps all of them reached) bold. A label of one run is drawn bold alone. With --test, a second panel draws each run's test envs
-(the unseen levels of a run with --num-levels above 0) beside the training levels. With --train-procgen, each panel
+steps all of them reached) bold. A label of one run is drawn bold alone. Each curve ends at the run's last finished
+rollout (its last charts/SPS): what a stopped run logged after that, a resume drops. With --test, a second panel draws
+each run's test envs (the unseen levels of a run with --num-levels above 0) beside the training levels; they log
+their episodes during a rollout. With --train-procgen, each panel
 also draws, as a grey band, the spread (lowest to highest) of train-procgen's three stored PPO runs of --game under
 its protocol (easy, 200 levels), up to the last env step of the runs: its CSVs' eprewmean is the same mean of the
 last 100 episodes of a worker (a checkout: git clone https://github.com/openai/train-procgen).
@@ -60,6 +62,9 @@ def trailing_mean(run_dir: str, window: int, tag: str = TAG):
     if tag not in acc.Tags()["scalars"]:
         sys.exit(f"error: {run_dir}: no {tag} scalars (no finished episode logged, or not a run folder)")
     episodes = sorted(acc.Scalars(tag), key=lambda e: e.step)  # several event files may interleave
+    if "charts/SPS" in acc.Tags()["scalars"]:  # only to the last finished rollout
+        last_rollout = max(e.step for e in acc.Scalars("charts/SPS"))
+        episodes = [e for e in episodes if e.step <= last_rollout]
     steps, returns = np.array([e.step for e in episodes]), np.array([e.value for e in episodes])
     csum, ends = np.concatenate([[0.0], np.cumsum(returns)]), np.arange(1, len(returns) + 1)
     starts = np.maximum(ends - window, 0)
