@@ -87,7 +87,7 @@ class AleProtocol(NamedTuple):
     ale_id: str  # the v5 id, whose vector env ale-py has
     sticky: float  # the probability of repeating the last action
     noop_max: int  # the largest number of no-op actions that begin each game
-    fire_reset: bool  # whether FIRE starts a game
+    fire_reset: bool  # whether each game waits for the FIRE action to start
 
 
 def ale_protocol(env_id: str) -> AleProtocol:
