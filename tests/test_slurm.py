@@ -147,7 +147,7 @@ def slurm_runs(request, tmp_path_factory):
     began, root, tag = time.time(), tmp_path_factory.mktemp("slurm") / "runs", os.getpid()
     names = dict(scenarios=f"scenarios-{tag}", unbroken=f"unbroken-{tag}")  # SLURM's job names: ppg-<name>
     common = ["--games", "dodgeball", "--methods", "ppg", "--cluster", "slurm", "--gpus-per-job", "0"]
-    common += ["--cpus-per-job", "1", "--time-min", "30", "--signal-delay-s", "150"]
+    common += ["--cpus-per-job", "1", "--time-min", "30", "--signal-delay-s", "180"]
     argv = dict(
         scenarios=["--name", names["scenarios"], *common, "--seeds", *map(str, SEEDS.values())],
         unbroken=["--name", names["unbroken"], *common, "--seeds", "1", "2"],
@@ -168,8 +168,9 @@ def slurm_runs(request, tmp_path_factory):
         os.kill(paused[0], signal.SIGSTOP)
         elapsed = slurm("squeue", "--noheader", "--jobs", job[1], "--format", "%M").strip()  # [h:]m:ss
         minutes = int(elapsed.split(":")[-2])
-        # 3 minutes past the whole minutes it has run: the limit is over 2 minutes away, and within --signal-delay-s
-        # (150 s) plus SLURM's 30 s between checks, so that SLURM sends the warning signal at its next check
+        # 3 minutes past the whole minutes it has run: the limit is over 2 minutes away and at most --signal-delay-s
+        # (180 s) away, so that SLURM sends the warning signal at its next check of time limits (every 30 s), at
+        # least 90 s before the limit
         slurm("scontrol", "update", f"JobId={job[1]}", f"TimeLimit={minutes + 3}")
 
     def signal_came() -> bool:  # submitit's log in the job says so
@@ -256,7 +257,7 @@ def test_the_sweep_submits_one_array_that_asks_for_no_gpu(slurm_runs):
     (job,) = {name.split("_")[0] for name in slurm_runs.job.values()}
     assert f"submitted 4 jobs: {job}_0, {job}_1, {job}_2, {job}_3" in slurm_runs.printed["scenarios"]
     script = (slurm_runs.root / slurm_runs.names["scenarios"] / ".submitit" / f"{job}_submission.sh").read_text()
-    for line in ["--array=0-3", "--cpus-per-task=1", "--time=30", "--signal=USR2@150", "--job-name=ppg-scenarios-"]:
+    for line in ["--array=0-3", "--cpus-per-task=1", "--time=30", "--signal=USR2@180", "--job-name=ppg-scenarios-"]:
         assert f"#SBATCH {line}" in script, line
     assert "gpu" not in script.lower() and "gres" not in script  # a CPU partition: no GPU asked for
 
