@@ -6,14 +6,14 @@
     python tools/plot_runs.py docs/logs/generalization-cpu/*ppg* docs/logs/generalization-cpu/*ppo* \
         --labels PPG PPO --test --train-procgen ../train-procgen --game starpilot --out docs/generalization-cpu.png
 
-Runs that share a label are seeds of one method: each seed's curve is drawn faint, and their mean (over the
-steps all of them reached) bold. A label of one run is drawn bold alone. Each curve ends at the run's last finished
-rollout (its last charts/SPS): what a stopped run logged after that, a resume drops. With --test, a second panel draws
-each run's test envs (the unseen levels of a run with --num-levels above 0) beside the training levels; they log
-their episodes during a rollout. With --train-procgen, each panel
-also draws, as a grey band, the spread (lowest to highest) of train-procgen's three stored PPO runs of --game under
-its protocol (easy, 200 levels), up to the last env step of the runs: its CSVs' eprewmean is the same mean of the
-last 100 episodes of a worker (a checkout: git clone https://github.com/openai/train-procgen).
+Runs that share a label are seeds of one method: each seed's curve is drawn faint, and their mean (over the steps
+all of them reached) bold. A label of one run is drawn bold alone. Each curve ends at the run's last finished
+rollout (its last charts/SPS), so that a stopped run's curve does not reach into a rollout it did not finish (the
+test envs log their episodes during each rollout). With --test, a second panel draws each run's test envs (the
+unseen levels of a run with --num-levels above 0) beside the training levels. With --train-procgen, each panel also
+draws, as a grey band, the spread (lowest to highest) of train-procgen's three stored PPO runs of --game under its
+protocol (easy, 200 levels), up to the last env step of the runs: its CSVs' eprewmean is the same mean of the last
+100 episodes of a worker (a checkout: git clone https://github.com/openai/train-procgen).
 """
 
 import argparse
